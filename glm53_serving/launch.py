@@ -1,0 +1,340 @@
+"""Start a whole topology from one config: `python -m glm53_serving.launch [--topology single|pd] [--config PATH]`.
+
+With no arguments: the embedded default (launch/cpu.toml), a PD deployment of glm53-tiny on
+this machine's CPUs: one prefill server, one decode server (Mooncake over TCP) and sglang-router
+in PD mode, all on 127.0.0.1.
+
+The launcher picks free ports, starts every child in its own process group with its log in the
+run directory, and waits for *real* readiness: each server's /server_info answers and reports
+the glm53_serving guards active, the router's /workers lists every worker, and one real
+generation through the client URL succeeds. It then prints the client URL and a curl line and
+writes ready.json in the run directory. If any child dies it stops the others and exits
+non-zero with that child's log tail; Ctrl-C or SIGTERM stops every child's whole process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import psutil
+
+from glm53_serving.topology import Topology, default_config_path, free_port, shell_line
+
+LOG_TAIL_LINES = 60
+PROGRESS_EVERY_S = 5.0
+
+
+def say(msg: str) -> None:
+    print(f"[launch] {msg}", file=sys.stderr, flush=True)
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class StopRequested(BaseException):
+    """Ctrl-C or SIGTERM: not an error, but it must unwind through every wait."""
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+    log: Path
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+    note: str = "starting"
+
+    def tail(self, n: int = LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+def _die_with_parent() -> None:
+    # If the launcher itself is SIGKILLed, each child still gets SIGTERM (Linux PR_SET_PDEATHSIG).
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass(slots=True)
+class Supervisor:
+    run_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, child: Child) -> Child:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / f"{child.name}.cmd").write_text(shell_line(child.argv, child.env) + "\n")
+        with child.log.open("ab") as log:
+            child.proc = subprocess.Popen(
+                child.argv, env={**os.environ, **child.env}, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        self.children.append(child)
+        say(f"started {child.name} (pid {child.proc.pid}), log {child.log}")
+        return child
+
+    def check_alive(self) -> None:
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                raise LaunchError(
+                    f"{c.name} exited with code {c.proc.returncode} ({c.note}); last lines of {c.log}:\n{c.tail()}"
+                )
+
+    def pids(self) -> list[int]:
+        """Every process we own: the children and all their descendants."""
+        out = []
+        for c in self.children:
+            if c.proc is None:
+                continue
+            out.append(c.proc.pid)
+            try:
+                out += [p.pid for p in psutil.Process(c.proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        # Collect descendants first: once a parent exits, its children are reparented and no
+        # longer findable through it.
+        owned = [psutil.Process(p) for p in self.pids() if psutil.pid_exists(p)]
+        for c in reversed(self.children):  # router first, then the servers
+            if c.proc is not None and c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        _, alive = psutil.wait_procs(owned, timeout=grace_s)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        for c in self.children:
+            if c.proc is not None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                c.proc.wait(timeout=5)
+        psutil.wait_procs(alive, timeout=5)
+
+
+# --- readiness probes -------------------------------------------------------------------------
+
+def server_probe(child: Child, client: httpx.Client) -> bool:
+    """Ready when /server_info answers; refuse a server on which the plugin is not active."""
+    try:
+        r = client.get(f"{child.url}/server_info", timeout=5)
+    except httpx.HTTPError:
+        return False
+    if r.status_code != 200:
+        child.note = f"/server_info {r.status_code}"
+        return False
+    status = r.json().get("glm53_serving")
+    if status is None:
+        raise LaunchError(
+            f"{child.name}: /server_info has no glm53_serving status: the plugin did not load in this "
+            "server (is glm53-serving installed in its environment, and SGLANG_PLUGINS unset or "
+            "naming glm53_serving?). Refusing to serve without it."
+        )
+    if not status.get("active"):
+        say(f"WARNING: {child.name} runs with glm53_serving guards DISABLED ({status.get('disabled_by')})")
+    return True
+
+
+def router_probe(expected_workers: int) -> Callable[[Child, httpx.Client], bool]:
+    def probe(child: Child, client: httpx.Client) -> bool:
+        # The router answers /health before it has registered workers; /workers tells the truth.
+        try:
+            r = client.get(f"{child.url}/workers", timeout=5)
+        except httpx.HTTPError:
+            return False
+        if r.status_code != 200:
+            return False
+        total = r.json().get("total", 0)
+        child.note = f"{total}/{expected_workers} workers"
+        return total >= expected_workers
+
+    return probe
+
+
+def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client], bool]], t0: float, timeout_s: float) -> None:
+    by_name = {c.name: c for c in sup.children}
+    last_progress = time.monotonic()
+    with httpx.Client() as client:
+        while pending:
+            sup.check_alive()
+            for name in list(pending):
+                if pending[name](by_name[name], client):
+                    by_name[name].ready = True
+                    say(f"{name} ready after {time.monotonic() - t0:.1f} s")
+                    del pending[name]
+            if not pending:
+                return
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                raise LaunchError(f"not ready after {timeout_s:.0f} s: " + ", ".join(
+                    f"{n} ({by_name[n].note}); last lines of {by_name[n].log}:\n{by_name[n].tail(20)}" for n in pending))
+            if now - last_progress >= PROGRESS_EVERY_S:
+                say(f"waiting {now - t0:.0f} s: " + ", ".join(f"{n} ({by_name[n].note})" for n in pending))
+                last_progress = now
+            time.sleep(0.5)
+
+
+def smoke_generate(client_url: str) -> list[int]:
+    """One real greedy generation through the client URL."""
+    r = httpx.post(f"{client_url}/generate", timeout=120, json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    if r.status_code != 200 or len(r.json().get("output_ids", [])) != 4:
+        raise LaunchError(f"smoke generation through {client_url} failed: HTTP {r.status_code} {r.text[:500]}")
+    return r.json()["output_ids"]
+
+
+# --- the topology ------------------------------------------------------------------------------
+
+def resolve_model_path(topo: Topology) -> str:
+    if topo.model.path:
+        return topo.model.path
+    from glm53_serving.models import tiny
+
+    path = tiny.default_path()
+    if not (path / "model.safetensors").is_file():
+        say(f"generating {topo.model.preset} into {path}")
+    return str(tiny.ensure(path))
+
+
+def plan(topo: Topology, model_path: str, run_dir: Path) -> tuple[list[Child], Child | None, str]:
+    """(servers, router or None, client URL) with fresh ports."""
+    env = topo.process_env()
+    h = topo.host
+
+    def server(name: str, role: str, bootstrap: int | None = None) -> Child:
+        port = free_port(h)
+        return Child(name, topo.server_argv(model_path, port, role, bootstrap), env, f"http://{h}:{port}", run_dir / f"{name}.log")
+
+    if topo.topology == "single":
+        s = server("server", "single")
+        return [s], None, s.url
+    prefills = [server(f"prefill-{i}", "prefill", free_port(h)) for i in range(topo.prefill.count)]
+    decodes = [server(f"decode-{i}", "decode") for i in range(topo.decode.count)]
+    port = free_port(h)
+    bootstrap = [(p.url, int(p.argv[p.argv.index("--disaggregation-bootstrap-port") + 1])) for p in prefills]
+    router = Child("router", topo.router_argv(port, free_port(h), bootstrap, [d.url for d in decodes]), env,
+                   f"http://{h}:{port}", run_dir / "router.log")
+    return [*prefills, *decodes], router, router.url
+
+
+def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
+    t0 = time.monotonic()
+    model_path = resolve_model_path(topo)
+    servers, router, client_url = plan(topo, model_path, run_dir)
+    say(f"{topo.topology} topology from {topo.source}; run dir {run_dir}")
+    for s in servers:
+        sup.start(s)
+    wait_ready(sup, {s.name: server_probe for s in servers}, t0, topo.ready_timeout_s)
+    if router is not None:
+        sup.start(router)
+        wait_ready(sup, {router.name: router_probe(len(servers))}, t0, topo.ready_timeout_s)
+    smoke_generate(client_url)
+    ready_s = time.monotonic() - t0
+    info = {
+        "client_url": client_url,
+        "topology": topo.topology,
+        "model": topo.model.served_model_name,
+        "ready_s": round(ready_s, 1),
+        "launcher_pid": os.getpid(),
+        "processes": [{"name": c.name, "pid": c.proc.pid, "url": c.url, "log": str(c.log)} for c in sup.children],
+        "all_pids": sup.pids(),
+    }
+    (run_dir / "ready.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def print_ready(info: dict) -> None:
+    url, model = info["client_url"], info["model"]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
+    print(
+        f"\nready in {info['ready_s']} s ({info['topology']})\n"
+        f"  client URL: {url}\n"
+        f"  try:  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"  Ctrl-C stops every process.\n",
+        flush=True,
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m glm53_serving.launch",
+        description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", type=Path, default=None,
+                   help=f"topology file (TOML); default {default_config_path()} (or $GLM53_TOPOLOGY)")
+    p.add_argument("--topology", choices=("single", "pd"), default=None,
+                   help="override the file's topology: one colocated server, or prefill + decode + router")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="where logs, commands and ready.json go; default runs/<UTC time>-<topology>")
+    p.add_argument("--dry-run", action="store_true", help="print the commands it would run, start nothing")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        topo = Topology.load(args.config or default_config_path(), args.topology)
+    except (OSError, ValueError) as e:
+        say(f"bad topology: {e}")
+        return 2
+    run_dir = args.run_dir or Path("runs") / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{topo.topology}"
+    run_dir = run_dir.resolve()
+    if args.dry_run:
+        servers, router, url = plan(topo, topo.model.path or f"<{topo.model.preset}>", run_dir)
+        for c in [*servers, *([router] if router else [])]:
+            print(f"# {c.name}\n{shell_line(c.argv, c.env)}")
+        print(f"# client URL: {url}")
+        return 0
+
+    def on_signal(signum, _frame):
+        raise StopRequested(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    sup = Supervisor(run_dir)
+    try:
+        print_ready(launch(topo, run_dir, sup))
+        while True:  # serve until a child dies or we are told to stop
+            sup.check_alive()
+            time.sleep(1.0)
+    except StopRequested as e:
+        say(f"{e}: stopping {len(sup.children)} children")
+        return 0
+    except LaunchError as e:
+        say(f"FAILED: {e}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sup.stop()
+        say("all children stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

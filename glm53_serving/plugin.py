@@ -1,0 +1,89 @@
+"""SGLang general-plugin entry point (`sglang.srt.plugins` group, see pyproject.toml).
+
+SGLang calls `register()` once in every process that runs `load_plugins()` (the HTTP/tokenizer
+process, each scheduler, the detokenizer) and only *logs* an exception from it. So `register()`
+never raises: it records what went wrong, and the start-up handshake (startup.py) turns any
+recorded problem into a refusal to start.
+
+`GLM53_SERVING_DISABLE=1`, and only that exact value, switches the guards off; the server then
+says so in every process's log and in `/server_info` (`glm53_serving.active == false`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from glm53_serving import hooks
+
+logger = logging.getLogger("glm53_serving")
+
+DISABLE_ENV = "GLM53_SERVING_DISABLE"
+
+_active: tuple[hooks.Hook, ...] = ()
+_problems: list[str] = []
+_disabled = False
+_registered = False
+
+
+def guards_disabled() -> bool:
+    """Explicit opt-out only: unset or "0" keeps the guards; any other value but "1" is refused."""
+    raw = os.environ.get(DISABLE_ENV, "")
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise ValueError(f"{DISABLE_ENV}={raw!r}: set it to 1 to disable the guards, or unset it")
+
+
+def _is_cpu() -> bool:
+    from sglang.srt.utils import is_cpu
+
+    return is_cpu()
+
+
+def register() -> None:
+    global _active, _disabled, _registered
+    if _registered:
+        return
+    _registered = True
+    # The handshake rows go in first and on their own, so that whatever fails below is still
+    # reported by a hook that refuses to start.
+    handshake = tuple(h for h in hooks.HOOKS if h.impl and h.impl.startswith("glm53_serving.startup:"))
+    try:
+        hooks.register(handshake)
+    except Exception as e:  # noqa: BLE001 - recorded, and the missing rows fail verification
+        _problems.append(f"registering the start-up handshake failed: {type(e).__name__}: {e}")
+    try:
+        _disabled = guards_disabled()
+        rows = hooks.active_hooks(cpu=_is_cpu(), guards=not _disabled)
+        hooks.register(tuple(h for h in rows if h not in handshake))
+        _active = rows
+    except Exception as e:  # noqa: BLE001
+        _problems.append(f"registering hooks failed: {type(e).__name__}: {e}")
+        _active = hooks.HOOKS  # verify everything: it cannot all be in place
+    if _disabled:
+        logger.warning(
+            "\n%s\n!! glm53_serving guards are DISABLED (%s=1): this server does NOT enforce\n"
+            "!! admission limits, KV isolation or tenant isolation. Never expose it to tenants.\n%s",
+            "!" * 78, DISABLE_ENV, "!" * 78,
+        )
+
+
+def problems() -> list[str]:
+    """Everything that keeps this process from being protected (empty: protected or disabled)."""
+    if not _registered:
+        return ["glm53_serving.plugin.register() never ran in this process (plugin not loaded?)"]
+    return [*_problems, *hooks.verify_applied(_active)]
+
+
+def status() -> dict:
+    """What /server_info reports under `glm53_serving`."""
+    from glm53_serving import __version__
+
+    return {
+        "active": not _disabled,
+        "version": __version__,
+        "disabled_by": f"{DISABLE_ENV}=1" if _disabled else None,
+        "hooks": [h.target for h in _active],
+    }

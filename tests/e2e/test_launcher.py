@@ -1,0 +1,63 @@
+"""The launcher: clean stop on Ctrl-C, honest failure when a child dies, refusal when a hook is missing."""
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.launcher import alive, launch, launcher_output, start
+
+pytestmark = pytest.mark.e2e
+
+SABOTAGE = str(Path(__file__).resolve().parents[1] / "support" / "sabotage")
+
+
+def wait_exit(proc, timeout=300):
+    t0 = time.monotonic()
+    rc = proc.wait(timeout=timeout)
+    return rc, time.monotonic() - t0
+
+
+def test_ctrl_c_leaves_no_child_alive(tmp_path):
+    run = launch(tmp_path, "--topology", "single")
+    pids = run.info["all_pids"]
+    assert len(pids) >= 3 and len(alive(pids)) == len(pids)  # server, scheduler, detokenizer at least
+    assert run.stop() == 0
+    assert alive(pids) == []
+    assert "all children stopped" in launcher_output(tmp_path)
+
+
+def test_child_dying_at_startup_fails_with_its_log_tail(tmp_path):
+    cfg = tmp_path / "broken.toml"
+    cfg.write_text(Path("launch/cpu.toml").read_text().replace('"--skip-server-warmup",', '"--skip-server-warmup", "--no-such-flag",'))
+    rc, took = wait_exit(start(tmp_path, "--config", str(cfg)))
+    out = launcher_output(tmp_path)
+    assert rc == 1, out
+    assert "exited with code" in out and "--no-such-flag" in out  # the child's own argparse error
+    assert not (tmp_path / "ready.json").exists()
+
+
+@pytest.mark.parametrize("target", [
+    "sglang.srt.managers.scheduler.Scheduler.get_init_info",  # the HTTP process refuses
+    "sglang.srt.entrypoints.engine._wait_for_scheduler_ready",  # the scheduler refuses
+])
+def test_missing_hook_stops_the_server_from_starting(tmp_path, target):
+    proc = start(tmp_path, "--topology", "single", env={"PYTHONPATH": SABOTAGE, "GLM53_TEST_BREAK_HOOK": target})
+    rc, _ = wait_exit(proc)
+    out = launcher_output(tmp_path)
+    assert rc == 1, out
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert "glm53_serving: refusing to start" in log and target in log
+    assert not (tmp_path / "ready.json").exists()
+
+
+def test_disabled_guards_are_announced(tmp_path):
+    run = launch(tmp_path, "--topology", "single", env={"GLM53_SERVING_DISABLE": "1"})
+    try:
+        status = httpx.get(f"{run.url}/server_info", timeout=30).json()["glm53_serving"]
+        assert status == {**status, "active": False, "disabled_by": "GLM53_SERVING_DISABLE=1"}
+        assert "guards are DISABLED" in (tmp_path / "server.log").read_text(errors="replace")
+        assert "guards DISABLED" in launcher_output(tmp_path)
+    finally:
+        run.stop()

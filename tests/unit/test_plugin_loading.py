@@ -1,0 +1,59 @@
+"""The plugin loads through SGLang's real entry-point loader and verifies itself in that process.
+
+Each case runs in a fresh interpreter: SGLang's load_plugins() and HookRegistry are per-process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SABOTAGE = str(Path(__file__).resolve().parents[1] / "support" / "sabotage")
+
+PROBE = r"""
+import json
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from glm53_serving import plugin
+print("RESULT" + json.dumps({"problems": plugin.problems(), "status": plugin.status()}))
+"""
+
+
+def run_probe(**env):
+    e = {k: v for k, v in os.environ.items() if k != "GLM53_SERVING_DISABLE"}
+    e.update(SGLANG_USE_CPU_ENGINE="1", **env)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=e, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):]), out.stderr
+
+
+def test_entry_point_registers_and_every_hook_applies():
+    res, _ = run_probe()
+    assert res["problems"] == []
+    assert res["status"]["active"] is True
+    from glm53_serving.hooks import HOOKS
+
+    assert set(res["status"]["hooks"]) == {h.target for h in HOOKS}  # CPU: cpu_only rows included
+
+
+def test_a_hook_that_fails_to_apply_is_reported():
+    target = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
+    res, _ = run_probe(PYTHONPATH=SABOTAGE, GLM53_TEST_BREAK_HOOK=target)
+    assert any(target in p and "not applied" in p for p in res["problems"]), res
+
+
+def test_explicit_disable_is_reported_not_hidden():
+    res, err = run_probe(GLM53_SERVING_DISABLE="1")
+    assert res["problems"] == []
+    assert res["status"]["active"] is False and res["status"]["disabled_by"] == "GLM53_SERVING_DISABLE=1"
+    assert "guards are DISABLED" in err
+
+
+@pytest.mark.parametrize("value", ["true", "yes", "2"])
+def test_ambiguous_disable_value_fails_closed(value):
+    res, _ = run_probe(GLM53_SERVING_DISABLE=value)
+    assert any("GLM53_SERVING_DISABLE" in p for p in res["problems"]), res

@@ -1,0 +1,69 @@
+"""Topology files parse, validate at load time, and derive each process's arguments."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glm53_serving import cpu
+from glm53_serving.topology import REPO_LAUNCH_DIR, Topology
+
+CONFIGS = sorted(REPO_LAUNCH_DIR.glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_topology_loads(path):
+    topo = Topology.load(path)
+    assert topo.topology in ("single", "pd")
+
+
+def test_cpu_default_derives_cpu_only_settings():
+    topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml")
+    assert topo.topology == "pd" and topo.device == "cpu"
+    env = topo.process_env()
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_HOST_IP"] == "127.0.0.1"
+    prefill = topo.server_argv("/m", 1, "prefill", bootstrap_port=2)
+    decode = topo.server_argv("/m", 3, "decode")
+    assert "--disaggregation-bootstrap-port" in prefill and "--device" in prefill
+    i = decode.index(cpu.DECODE_ARGS[0])
+    assert decode[i : i + len(cpu.DECODE_ARGS)] == list(cpu.DECODE_ARGS)
+    assert "cpu_tensor" not in prefill
+
+
+def test_gpu_topology_gets_no_cpu_settings(tmp_path):
+    p = tmp_path / "gpu.toml"
+    p.write_text('topology = "pd"\ndevice = "cuda"\n[model]\npath = "/models/x"\n')
+    topo = Topology.load(p)
+    assert "SGLANG_USE_CPU_ENGINE" not in topo.process_env()
+    argv = topo.server_argv("/m", 1, "decode")
+    assert "cpu" not in argv and "cpu_tensor" not in argv and "torch_native" not in argv
+
+
+@pytest.mark.parametrize("body, msg", [
+    ('topology = "ring"\n[model]\npreset = "glm53-tiny"\n', "topology must be"),
+    ('[model]\npreset = "glm53-tiny"\npath = "/x"\n', "exactly one of preset, path"),
+    ('[model]\npreset = "llama"\n', "model.preset"),
+    ('[model]\npreset = "glm53-tiny"\n[decode]\ncount = 0\n', "at least one server"),
+    ('nonsense = 1\n[model]\npreset = "glm53-tiny"\n', "nonsense"),
+])
+def test_bad_topologies_fail_at_load(tmp_path, body, msg):
+    p = tmp_path / "bad.toml"
+    p.write_text(body)
+    with pytest.raises(ValueError, match=msg):
+        Topology.load(p)
+
+
+def test_dry_run_prints_every_process_and_the_client_url():
+    out = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "# prefill-0" in out.stdout and "# decode-0" in out.stdout and "# router" in out.stdout
+    assert "sglang_router.launch_router --pd-disaggregation" in out.stdout
+    single = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--dry-run", "--topology", "single"],
+                            capture_output=True, text=True, timeout=60)
+    assert "# server" in single.stdout and "router" not in single.stdout
+
+
+def test_help_documents_the_launcher():
+    out = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--topology" in out.stdout and "Ctrl-C" in out.stdout
