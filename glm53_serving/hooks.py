@@ -37,11 +37,15 @@ class Hook:
     guard: bool = True  # a security guard (off only with GLM53_SERVING_DISABLE=1) vs. a platform fix
     cpu_only: bool = False
     value: Any = None  # ATTR only
+    # Where the row is in effect and verified: "any" process, or only "scheduler" processes
+    # (rows applied by a scheduler-side hook, so that other processes never import their module).
+    process: str = "any"
 
     def __post_init__(self):
         assert self.target.startswith("sglang."), self.target
         assert (self.kind is Kind.ATTR) == (self.impl is None), self
         assert self.why, self
+        assert self.process in ("any", "scheduler"), self
 
     def resolve_impl(self) -> Callable:
         assert self.impl is not None
@@ -64,13 +68,33 @@ HOOKS: tuple[Hook, ...] = (
         "and its own hooks are in place",
         guard=False,
     ),
+    # --- admission: one limit, hard 4xx (admission.py, http_guard.py) --------------------------
+    Hook(
+        "sglang.srt.entrypoints.http_server.launch_server", Kind.BEFORE,
+        "glm53_serving.http_guard:install_middleware_hook", ("server_args",),
+        "install the middleware that sends a rejected request's 4xx before any byte of a 200 "
+        "(upstream streams /generate rejections under HTTP 200)",
+    ),
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", Kind.BEFORE,
+        "glm53_serving.admission:validate_request_hook", ("self", "obj", "input_ids"),
+        "reject prompts over the deployment-wide limit (min over prefill and decode) in the HTTP "
+        "process, before any scheduler sees them; upstream checks only context_len here",
+    ),
     # --- CPU development stack only (glm53_serving/cpu.py) ----------------------------------
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.__init__", Kind.BEFORE,
+        "glm53_serving.cpu:apply_scheduler_attrs", ("self", "server_args"),
+        "set the ATTR rows below in scheduler processes only: importing the Mooncake module in "
+        "the HTTP process would import prometheus_client before SGLang sets multiprocess mode",
+        guard=False, cpu_only=True,
+    ),
     Hook(
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices",
         Kind.ATTR, None, (),
         "prefill's host-index send path allocates pin_memory tensors and a torch.cuda.Event "
         "(disaggregation/prefill.py _send_kv_chunk), which needs a CUDA driver",
-        guard=False, cpu_only=True, value=False,
+        guard=False, cpu_only=True, value=False, process="scheduler",
     ),
 )
 
@@ -95,15 +119,21 @@ def resolve_target(target: str) -> Any:
 
 
 def register(hooks: tuple[Hook, ...]) -> None:
-    """Hand callable rows to HookRegistry and set ATTR rows now."""
+    """Hand callable rows to HookRegistry; set process-wide ATTR rows now (scheduler-only ATTR
+    rows are set by `apply_attrs` from a scheduler-side hook)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    for h in hooks:
+        if h.kind is not Kind.ATTR:
+            HookRegistry.register(h.target, h.resolve_impl(), HookType(h.kind.value))
+    apply_attrs(tuple(h for h in hooks if h.process == "any"))
+
+
+def apply_attrs(hooks: tuple[Hook, ...]) -> None:
     for h in hooks:
         if h.kind is Kind.ATTR:
             owner, attr = _split(h.target)
             setattr(owner, attr, h.value)
-        else:
-            HookRegistry.register(h.target, h.resolve_impl(), HookType(h.kind.value))
 
 
 def _chain_contains(fn: Any, impl: Callable) -> bool:
@@ -120,10 +150,13 @@ def _chain_contains(fn: Any, impl: Callable) -> bool:
     return False
 
 
-def verify_applied(hooks: tuple[Hook, ...]) -> list[str]:
-    """Return one line per row that is NOT in effect in this process (empty list: all good)."""
+def verify_applied(hooks: tuple[Hook, ...], process: str = "scheduler") -> list[str]:
+    """One line per row that is NOT in effect in this process (empty list: all good). In a
+    non-scheduler process, rows that only schedulers carry are not checked."""
     missing = []
     for h in hooks:
+        if h.process == "scheduler" and process != "scheduler":
+            continue
         try:
             current = resolve_target(h.target)
         except Exception as e:  # noqa: BLE001 - any resolution failure is a missing hook

@@ -115,7 +115,7 @@ class Supervisor:
         # Collect descendants first: once a parent exits, its children are reparented and no
         # longer findable through it.
         owned = [psutil.Process(p) for p in self.pids() if psutil.pid_exists(p)]
-        for c in reversed(self.children):  # router first, then the servers
+        for c in reversed(self.children):  # front door first, then the router, then the servers
             if c.proc is not None and c.proc.poll() is None:
                 try:
                     os.killpg(c.proc.pid, signal.SIGTERM)
@@ -221,38 +221,66 @@ def resolve_model_path(topo: Topology) -> str:
     return str(tiny.ensure(path))
 
 
-def plan(topo: Topology, model_path: str, run_dir: Path) -> tuple[list[Child], Child | None, str]:
-    """(servers, router or None, client URL) with fresh ports."""
+@dataclass(slots=True)
+class Plan:
+    servers: list[Child]
+    router: Child | None  # PD only
+    gateway: Child  # the client endpoint of every topology
+
+    def all(self) -> list[Child]:
+        return [*self.servers, *([self.router] if self.router else []), self.gateway]
+
+
+def plan(topo: Topology, model_path: str, run_dir: Path) -> Plan:
+    """Every child of the topology, with fresh ports."""
     env = topo.process_env()
     h = topo.host
 
-    def server(name: str, role: str, bootstrap: int | None = None) -> Child:
+    def child(name: str, argv_for_port) -> Child:
         port = free_port(h)
-        return Child(name, topo.server_argv(model_path, port, role, bootstrap), env, f"http://{h}:{port}", run_dir / f"{name}.log")
+        return Child(name, argv_for_port(port), env, f"http://{h}:{port}", run_dir / f"{name}.log")
 
     if topo.topology == "single":
-        s = server("server", "single")
-        return [s], None, s.url
-    prefills = [server(f"prefill-{i}", "prefill", free_port(h)) for i in range(topo.prefill.count)]
-    decodes = [server(f"decode-{i}", "decode") for i in range(topo.decode.count)]
-    port = free_port(h)
-    bootstrap = [(p.url, int(p.argv[p.argv.index("--disaggregation-bootstrap-port") + 1])) for p in prefills]
-    router = Child("router", topo.router_argv(port, free_port(h), bootstrap, [d.url for d in decodes]), env,
-                   f"http://{h}:{port}", run_dir / "router.log")
-    return [*prefills, *decodes], router, router.url
+        servers = [child("server", lambda port: topo.server_argv(model_path, port, "single"))]
+        router = None
+        upstream = servers[0].url
+    else:
+        boots = [free_port(h) for _ in range(topo.prefill.count)]
+        prefills = [child(f"prefill-{i}", lambda port, b=b: topo.server_argv(model_path, port, "prefill", b))
+                    for i, b in enumerate(boots)]
+        decodes = [child(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"))
+                   for i in range(topo.decode.count)]
+        servers = [*prefills, *decodes]
+        router = child("router", lambda port: topo.router_argv(
+            port, free_port(h), [(p.url, b) for p, b in zip(prefills, boots)], [d.url for d in decodes]))
+        upstream = router.url
+    gateway = child("gateway", lambda port: topo.gateway_argv(upstream, model_path, port))
+    return Plan(servers, router, gateway)
+
+
+def gateway_probe(child: Child, client: httpx.Client) -> bool:
+    try:
+        r = client.get(f"{child.url}/health", timeout=30)
+    except httpx.HTTPError:
+        return False
+    child.note = f"/health {r.status_code}"
+    return r.status_code == 200
 
 
 def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
     t0 = time.monotonic()
     model_path = resolve_model_path(topo)
-    servers, router, client_url = plan(topo, model_path, run_dir)
+    p = plan(topo, model_path, run_dir)
     say(f"{topo.topology} topology from {topo.source}; run dir {run_dir}")
-    for s in servers:
+    for s in p.servers:
         sup.start(s)
-    wait_ready(sup, {s.name: server_probe for s in servers}, t0, topo.ready_timeout_s)
-    if router is not None:
-        sup.start(router)
-        wait_ready(sup, {router.name: router_probe(len(servers))}, t0, topo.ready_timeout_s)
+    wait_ready(sup, {s.name: server_probe for s in p.servers}, t0, topo.ready_timeout_s)
+    if p.router is not None:
+        sup.start(p.router)
+        wait_ready(sup, {p.router.name: router_probe(len(p.servers))}, t0, topo.ready_timeout_s)
+    sup.start(p.gateway)
+    wait_ready(sup, {p.gateway.name: gateway_probe}, t0, topo.ready_timeout_s)
+    client_url = p.gateway.url
     smoke_generate(client_url)
     ready_s = time.monotonic() - t0
     info = {
@@ -300,16 +328,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         topo = Topology.load(args.config or default_config_path(), args.topology)
+        topo.admission_plan()  # the start-up lint: refuse before starting anything
     except (OSError, ValueError) as e:
         say(f"bad topology: {e}")
         return 2
     run_dir = args.run_dir or Path("runs") / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{topo.topology}"
     run_dir = run_dir.resolve()
     if args.dry_run:
-        servers, router, url = plan(topo, topo.model.path or f"<{topo.model.preset}>", run_dir)
-        for c in [*servers, *([router] if router else [])]:
+        p = plan(topo, topo.model.path or f"<{topo.model.preset}>", run_dir)
+        for c in p.all():
             print(f"# {c.name}\n{shell_line(c.argv, c.env)}")
-        print(f"# client URL: {url}")
+        print(f"# client URL: {p.gateway.url}")
         return 0
 
     def on_signal(signum, _frame):

@@ -70,11 +70,20 @@ def register() -> None:
         )
 
 
-def problems() -> list[str]:
-    """Everything that keeps this process from being protected (empty: protected or disabled)."""
+def problems(process: str) -> list[str]:
+    """Everything that keeps this process ("scheduler" or "http") from being protected (empty:
+    protected, or guards explicitly disabled)."""
     if not _registered:
         return ["glm53_serving.plugin.register() never ran in this process (plugin not loaded?)"]
-    return [*_problems, *hooks.verify_applied(_active)]
+    return [*_problems, *hooks.verify_applied(_active, process)]
+
+
+def guards_active() -> bool:
+    return _registered and not _disabled
+
+
+def active_rows() -> tuple[hooks.Hook, ...]:
+    return _active
 
 
 def status() -> dict:

@@ -1,24 +1,28 @@
-"""Start-up handshake: a server whose hooks are not all in place refuses to start.
+"""Start-up handshake: a server whose guards are not all in place, or whose configuration could
+leak, refuses to start.
 
-Invariant: no SGLang server with this plugin installed reports ready unless, in the scheduler
-*and* in the HTTP/tokenizer process, every hook of `hooks.HOOKS` that applies is in effect
-(or the guards were switched off explicitly, which is then reported).
+Invariant: no SGLang server with this plugin installed reports ready unless
+- in the scheduler *and* in the HTTP/tokenizer process every applicable hook of `hooks.HOOKS` is
+  in effect (or the guards were switched off explicitly, which is then reported), and
+- its KV pool can hold what it advertises (context window <= KV capacity: the incident's
+  1,048,576-token window over a 681,280-token pool), and it can serve the deployment's limit.
 
 Two halves, so that neither process can be unprotected silently:
-1. each scheduler verifies its own hooks inside `get_init_info` and raises instead of
-   reporting ready (SGLang then takes the whole server down), and stamps its init info with
-   `glm53_serving` status;
-2. the HTTP/tokenizer process, when the scheduler infos arrive, verifies its own hooks and
-   refuses unless every scheduler's info carries that stamp. A scheduler in which the plugin
-   never loaded has no stamp.
-The launcher adds a third check from outside: `/server_info` must report the plugin active.
+1. each scheduler verifies its own hooks and capacity inside `get_init_info`, raising instead of
+   reporting ready (SGLang then takes the whole server down), and stamps its init info with a
+   `glm53_serving` status (also shown in /server_info);
+2. the HTTP/tokenizer process, when the scheduler infos arrive, verifies its own hooks, refuses
+   unless every scheduler stamped its info, and sets the admission limits.
+The launcher adds a third check from outside: /server_info must report the plugin active.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
-from glm53_serving import plugin
+from glm53_serving import admission, http_guard, plugin
+from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
 
@@ -35,21 +39,84 @@ def _refuse(where: str, problems: list[str]) -> RefuseToStart:
     return RefuseToStart(msg)
 
 
+def capacity_of(scheduler) -> Capacity:
+    from sglang.srt.runtime_context import get_disagg
+
+    mode = get_disagg().disaggregation_mode or "null"
+    role = {"null": "single", "prefill": "prefill", "decode": "decode"}[mode]
+    return Capacity(
+        role=role,
+        context_length=scheduler.model_config.context_len,
+        kv_tokens=scheduler.max_total_num_tokens,
+        page_size=scheduler.page_size,
+        decode_reserve=get_disagg().num_reserved_decode_tokens if role == "decode" else 0,
+    )
+
+
+def capacity_problems(cap: Capacity, deployment: Limits | None, auto_truncate: bool) -> list[str]:
+    """Configurations that could leak or hang; pure, so tests can call it without a server."""
+    problems = []
+    if cap.context_length > cap.kv_tokens:
+        problems.append(
+            f"the advertised context window ({cap.context_length} tokens) exceeds this {cap.role} server's KV "
+            f"capacity ({cap.kv_tokens} tokens), the incident's configuration. Either enlarge the pool "
+            f"(--max-total-tokens / --mem-fraction-static, or more GPUs) or advertise at most the capacity "
+            f"(--context-length {cap.kv_tokens}; the launcher does it with [admission] clamp_context_to_kv = true)"
+        )
+    if cap.role != "single":
+        if auto_truncate:
+            problems.append("--allow-auto-truncate is refused in PD mode: prefill and decode would truncate "
+                            "to different lengths and decode would attend over pages nothing wrote")
+        if deployment is None:
+            problems.append(f"a PD {cap.role} server needs the deployment's limits in {admission.LIMITS_ENV} "
+                            "(the launcher sets it from every role) so that prefill and decode cannot disagree")
+    if deployment is not None and not deployment.within(Limits.of([cap])):
+        problems.append(
+            f"this {cap.role} server (KV {cap.kv_tokens} tokens, page {cap.page_size}, reserve {cap.decode_reserve}) "
+            f"can serve prompts < {cap.max_input_tokens} and totals <= {cap.max_total_tokens}, less than the "
+            f"deployment's limits {deployment}: its pool is smaller than the topology declared"
+        )
+    return problems
+
+
 def scheduler_verified_info(result: dict, self) -> dict:
     """AFTER Scheduler.get_init_info."""
-    problems = plugin.problems()
+    from sglang.srt.runtime_context import get_serving
+
+    problems = plugin.problems("scheduler")
+    cap = capacity_of(self)
+    if plugin.guards_active():
+        try:
+            deployment = Limits.from_env()
+        except (TypeError, ValueError) as e:
+            deployment, problems = None, [*problems, f"{admission.LIMITS_ENV} is malformed: {e}"]
+        problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
     if problems:
         raise _refuse("scheduler", problems)
-    result[STATUS_KEY] = plugin.status()
+    result[STATUS_KEY] = {**plugin.status(), "capacity": {
+        "role": cap.role, "context_length": cap.context_length, "kv_tokens": cap.kv_tokens,
+        "page_size": cap.page_size, "decode_reserve": cap.decode_reserve}}
     return result
 
 
 def require_verified_schedulers(infos: list, scheduler_pipe_readers=None, scheduler_procs=None) -> list:
     """AFTER engine._wait_for_scheduler_ready (runs in the HTTP/tokenizer process)."""
-    problems = plugin.problems()
+    problems = plugin.problems("http")
+    caps = []
     for i, info in enumerate(infos):
         if STATUS_KEY not in info:
             problems.append(f"scheduler {i} did not run glm53_serving's start-up check")
+        else:
+            caps.append(Capacity(**info[STATUS_KEY]["capacity"]))
+    if plugin.guards_active() and not problems:
+        if not http_guard.installed():
+            problems.append("the hard-4xx middleware is not installed on the HTTP app")
+        limits = Limits.from_env() or Limits.of(caps)
+        admission.set_limits(limits)
+        for info in infos:
+            info[STATUS_KEY]["limits"] = {"max_input_tokens": limits.max_input_tokens,
+                                          "max_total_tokens": limits.max_total_tokens,
+                                          "clip_output": os.environ.get(admission.CLIP_ENV) == "1"}
     if problems:
         raise _refuse("http/tokenizer", problems)
     return infos

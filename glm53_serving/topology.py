@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Literal
 
 from glm53_serving import cpu
+from glm53_serving.admission import CLIP_ENV, LIMITS_ENV, Capacity, Limits
 
 REPO_LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 DEFAULT_CONFIG = REPO_LAUNCH_DIR / "cpu.toml"
 PRESETS = ("glm53-tiny",)
+SGLANG_DEFAULT_DECODE_RESERVE = 512  # --num-reserved-decode-tokens default in sglang 0.5.23
 
 
 @dataclass(slots=True)
@@ -40,10 +42,37 @@ class ModelConf:
 @dataclass(slots=True)
 class RoleConf:
     count: int = 1
+    kv_tokens: int | None = None  # the role's KV pool (--max-total-tokens); [worker] gives the default
+    page_size: int | None = None  # KV page size (--page-size)
+    decode_reserve: int | None = None  # decode only: --num-reserved-decode-tokens (SGLang default 512)
     args: list[str] = field(default_factory=list)  # extra SGLang flags for this role, verbatim
 
     def __post_init__(self):
         assert self.count >= 1, "a role needs at least one server"
+        for name in ("kv_tokens", "page_size"):
+            v = getattr(self, name)
+            assert v is None or v > 0, f"{name} must be positive"
+        assert self.decode_reserve is None or self.decode_reserve >= 0
+        for flag in ("--max-total-tokens", "--page-size", "--num-reserved-decode-tokens", "--context-length"):
+            assert flag not in self.args, f"set {flag} through the topology's own keys, not args: the limits derive from them"
+
+
+@dataclass(slots=True)
+class GatewayConf:
+    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413 before they are read
+    upstream_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        assert self.max_body_bytes > 0 and self.upstream_timeout_s > 0
+
+
+@dataclass(slots=True)
+class AdmissionConf:
+    # Advertise min(context_length, smallest KV pool) instead of refusing to start when the
+    # window exceeds a pool (the incident's configuration). /v1/models reports the clamped window.
+    clamp_context_to_kv: bool = False
+    # Clip max_new_tokens to the budget (finish_reason "length") instead of a 400.
+    clip_output: bool = False
 
 
 @dataclass(slots=True)
@@ -63,6 +92,8 @@ class Topology:
     prefill: RoleConf = field(default_factory=RoleConf)
     decode: RoleConf = field(default_factory=RoleConf)
     router: RouterConf = field(default_factory=RouterConf)
+    admission: AdmissionConf = field(default_factory=AdmissionConf)
+    gateway: GatewayConf = field(default_factory=GatewayConf)
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 600.0
     source: str = "<inline>"
@@ -72,6 +103,12 @@ class Topology:
         assert self.device in ("cpu", "cuda"), f"device must be cpu or cuda, not {self.device!r}"
         assert self.worker.count == 1, "[worker] holds flags shared by all servers; set counts per role"
         assert self.ready_timeout_s > 0
+        if self.topology == "pd":
+            for role in ("prefill", "decode"):
+                assert self.role_value(role, "kv_tokens"), (
+                    f"PD needs every role's KV budget: set kv_tokens in [{role}] or [worker] "
+                    "(the deployment-wide request limit is computed from them)")
+        assert self.model.context_length, "model.context_length: the advertised window must be explicit"
 
     @classmethod
     def load(cls, path: Path | str, topology: str | None = None) -> "Topology":
@@ -87,6 +124,8 @@ class Topology:
                 prefill=RoleConf(**raw.pop("prefill", {})),
                 decode=RoleConf(**raw.pop("decode", {})),
                 router=RouterConf(**raw.pop("router", {})),
+                admission=AdmissionConf(**raw.pop("admission", {})),
+                gateway=GatewayConf(**raw.pop("gateway", {})),
                 source=str(path),
                 **raw,
             )
@@ -95,12 +134,49 @@ class Topology:
 
     # --- derived -----------------------------------------------------------------------------
 
+    def role_value(self, role: str, name: str):
+        own = getattr(getattr(self, role), name) if role in ("prefill", "decode") else None
+        return own if own is not None else getattr(self.worker, name)
+
+    def capacities(self) -> list[Capacity]:
+        """The declared capacity of every role that will hold a request."""
+        roles = ["single"] if self.topology == "single" else ["prefill", "decode"]
+        return [
+            Capacity(role=r, context_length=self.model.context_length, kv_tokens=self.role_value(r, "kv_tokens"),
+                     page_size=self.role_value(r, "page_size") or 1,
+                     decode_reserve=(self.role_value(r, "decode_reserve") if self.role_value(r, "decode_reserve") is not None
+                                     else SGLANG_DEFAULT_DECODE_RESERVE) if r == "decode" else 0)
+            for r in roles if self.role_value(r, "kv_tokens")
+        ]
+
+    def admission_plan(self) -> tuple[int, Limits | None]:
+        """(advertised context length, deployment limits) or ValueError naming the way out."""
+        caps = self.capacities()
+        ctx = self.model.context_length
+        smallest = min((c.kv_tokens for c in caps), default=None)
+        if smallest is not None and ctx > smallest:
+            if not self.admission.clamp_context_to_kv:
+                worst = min(caps, key=lambda c: c.kv_tokens)
+                raise ValueError(
+                    f"the advertised context window (model.context_length = {ctx}) exceeds the {worst.role} "
+                    f"role's KV capacity ({worst.kv_tokens} tokens): the incident's configuration. Either enlarge "
+                    f"the pool (kv_tokens, with the memory to back it) or advertise the capacity: set "
+                    f"[admission] clamp_context_to_kv = true (the window becomes {smallest})")
+            ctx = smallest
+            caps = [Capacity(c.role, ctx, c.kv_tokens, c.page_size, c.decode_reserve) for c in caps]
+        return ctx, (Limits.of(caps) if caps else None)
+
     def process_env(self) -> dict[str, str]:
         env = {
             # The bootstrap server and the transfer engine advertise this address to peers;
             # left unset they advertise the first NIC's address instead of the configured host.
             "SGLANG_HOST_IP": self.host,
         }
+        _, limits = self.admission_plan()
+        if limits is not None:
+            env[LIMITS_ENV] = limits.to_env()
+        if self.admission.clip_output:
+            env[CLIP_ENV] = "1"
         if self.device == "cpu":
             env.update(cpu.ENV)
         env.update(self.env)
@@ -108,14 +184,19 @@ class Topology:
 
     def server_argv(self, model_path: str, port: int, role: str, bootstrap_port: int | None = None) -> list[str]:
         m = self.model
+        ctx, _ = self.admission_plan()
         argv = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", model_path,
             "--served-model-name", m.served_model_name,
             "--host", self.host, "--port", str(port),
+            "--context-length", str(ctx),
         ]
-        if m.context_length:
-            argv += ["--context-length", str(m.context_length)]
+        for name, flag in (("kv_tokens", "--max-total-tokens"), ("page_size", "--page-size")):
+            if self.role_value(role, name) is not None:
+                argv += [flag, str(self.role_value(role, name))]
+        if role == "decode" and self.role_value(role, "decode_reserve") is not None:
+            argv += ["--num-reserved-decode-tokens", str(self.role_value(role, "decode_reserve"))]
         if m.dtype:
             argv += ["--dtype", m.dtype]
         if self.device == "cpu":
@@ -146,6 +227,16 @@ class Topology:
         for url in decodes:
             argv += ["--decode", url]
         return argv + self.router.args
+
+    def gateway_argv(self, upstream: str, model_path: str, port: int) -> list[str]:
+        ctx, _ = self.admission_plan()
+        return [
+            sys.executable, "-m", "glm53_serving.gateway", "--upstream", upstream,
+            "--model-path", model_path, "--served-model-name", self.model.served_model_name,
+            "--context-length", str(ctx), "--host", self.host, "--port", str(port),
+            "--max-body-bytes", str(self.gateway.max_body_bytes),
+            "--upstream-timeout-s", str(self.gateway.upstream_timeout_s),
+        ]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

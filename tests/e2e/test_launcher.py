@@ -22,7 +22,7 @@ def wait_exit(proc, timeout=300):
 def test_ctrl_c_leaves_no_child_alive(tmp_path):
     run = launch(tmp_path, "--topology", "single")
     pids = run.info["all_pids"]
-    assert len(pids) >= 3 and len(alive(pids)) == len(pids)  # server, scheduler, detokenizer at least
+    assert len(pids) >= 4 and len(alive(pids)) == len(pids)  # server, scheduler, detokenizer, gateway
     assert run.stop() == 0
     assert alive(pids) == []
     assert "all children stopped" in launcher_output(tmp_path)
@@ -55,7 +55,7 @@ def test_missing_hook_stops_the_server_from_starting(tmp_path, target):
 def test_disabled_guards_are_announced(tmp_path):
     run = launch(tmp_path, "--topology", "single", env={"GLM53_SERVING_DISABLE": "1"})
     try:
-        status = httpx.get(f"{run.url}/server_info", timeout=30).json()["glm53_serving"]
+        status = httpx.get(f"{run.worker('server')}/server_info", timeout=30).json()["glm53_serving"]
         assert status == {**status, "active": False, "disabled_by": "GLM53_SERVING_DISABLE=1"}
         assert "guards are DISABLED" in (tmp_path / "server.log").read_text(errors="replace")
         assert "guards DISABLED" in launcher_output(tmp_path)

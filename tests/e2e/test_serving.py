@@ -118,7 +118,7 @@ def test_single_models_reports_context_length(single):
 
 
 def test_every_worker_reports_the_plugin_active(single, pd):
-    for url in [single.url, pd.worker("prefill-0"), pd.worker("decode-0")]:
+    for url in [single.worker("server"), pd.worker("prefill-0"), pd.worker("decode-0")]:
         status = httpx.get(f"{url}/server_info", timeout=30).json()["glm53_serving"]
         assert status["active"] is True and status["disabled_by"] is None
         assert "sglang.srt.managers.scheduler.Scheduler.get_init_info" in status["hooks"]

@@ -18,7 +18,7 @@ import json
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from glm53_serving import plugin
-print("RESULT" + json.dumps({"problems": plugin.problems(), "status": plugin.status()}))
+print("RESULT" + json.dumps({"problems": plugin.problems("http"), "status": plugin.status()}))
 """
 
 

@@ -33,19 +33,25 @@ def test_cpu_default_derives_cpu_only_settings():
 
 def test_gpu_topology_gets_no_cpu_settings(tmp_path):
     p = tmp_path / "gpu.toml"
-    p.write_text('topology = "pd"\ndevice = "cuda"\n[model]\npath = "/models/x"\n')
+    p.write_text('topology = "pd"\ndevice = "cuda"\n[model]\npath = "/models/x"\ncontext_length = 4096\n[worker]\nkv_tokens = 8192\n')
     topo = Topology.load(p)
     assert "SGLANG_USE_CPU_ENGINE" not in topo.process_env()
     argv = topo.server_argv("/m", 1, "decode")
     assert "cpu" not in argv and "cpu_tensor" not in argv and "torch_native" not in argv
 
 
+M = '[model]\npreset = "glm53-tiny"\ncontext_length = 512\n[worker]\nkv_tokens = 2048\n'
+
+
 @pytest.mark.parametrize("body, msg", [
-    ('topology = "ring"\n[model]\npreset = "glm53-tiny"\n', "topology must be"),
+    ('topology = "ring"\n' + M, "topology must be"),
     ('[model]\npreset = "glm53-tiny"\npath = "/x"\n', "exactly one of preset, path"),
     ('[model]\npreset = "llama"\n', "model.preset"),
-    ('[model]\npreset = "glm53-tiny"\n[decode]\ncount = 0\n', "at least one server"),
-    ('nonsense = 1\n[model]\npreset = "glm53-tiny"\n', "nonsense"),
+    (M + '[decode]\ncount = 0\n', "at least one server"),
+    ('nonsense = 1\n' + M, "nonsense"),
+    ('[model]\npreset = "glm53-tiny"\ncontext_length = 512\n', "KV budget"),
+    ('[model]\npreset = "glm53-tiny"\n[worker]\nkv_tokens = 9\n', "context_length"),
+    (M.replace('[worker]\n', '[worker]\nargs = ["--max-total-tokens", "9"]\n'), "through the topology"),
 ])
 def test_bad_topologies_fail_at_load(tmp_path, body, msg):
     p = tmp_path / "bad.toml"
@@ -67,3 +73,37 @@ def test_dry_run_prints_every_process_and_the_client_url():
 def test_help_documents_the_launcher():
     out = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--topology" in out.stdout and "Ctrl-C" in out.stdout
+
+
+def topo_with(tmp_path, body):
+    p = tmp_path / "t.toml"
+    p.write_text(body)
+    return Topology.load(p)
+
+
+def test_incident_configuration_refuses_with_both_numbers_and_both_ways_out(tmp_path):
+    topo = topo_with(tmp_path, '[model]\npath = "/m"\ncontext_length = 1048576\n'
+                               '[prefill]\nkv_tokens = 681280\n[decode]\nkv_tokens = 2000000\n')
+    with pytest.raises(ValueError) as e:
+        topo.admission_plan()
+    msg = str(e.value)
+    assert "1048576" in msg and "681280" in msg and "prefill" in msg
+    assert "enlarge the pool" in msg and "clamp_context_to_kv = true" in msg
+
+
+def test_clamp_switch_advertises_the_smallest_pool(tmp_path):
+    topo = topo_with(tmp_path, '[model]\npath = "/m"\ncontext_length = 1048576\n[admission]\nclamp_context_to_kv = true\n'
+                               '[prefill]\nkv_tokens = 681280\n[decode]\nkv_tokens = 2000000\n')
+    ctx, limits = topo.admission_plan()
+    assert ctx == 681280 and limits.context_length == 681280
+    assert limits.max_input_tokens == 681280 - 1 - 5
+    assert "--context-length" in (argv := topo.server_argv("/m", 1, "decode")) and argv[argv.index("--context-length") + 1] == "681280"
+
+
+def test_deployment_limits_reach_every_server(tmp_path):
+    topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml")
+    from glm53_serving.admission import LIMITS_ENV, Limits
+    import json
+
+    limits = Limits(**json.loads(topo.process_env()[LIMITS_ENV]))
+    assert limits.max_input_tokens == 506 and limits.max_total_tokens == 510  # docs/admission.md worked example

@@ -1,0 +1,154 @@
+"""Admission: one length limit per deployment, enforced before anything is scheduled.
+
+Invariant: a request reaches a scheduler only if every role that will hold it (the single
+server, or prefill *and* decode) can serve it completely: prompt_tokens < max_input_tokens and,
+when it asks for a number of output tokens, prompt_tokens + max_new_tokens <= max_total_tokens.
+Everything else is a 400 `context_length_exceeded` from the HTTP/tokenizer process.
+
+Attack/incident closed: in PD, a prompt one role accepts and the other rejects was parked
+(client hangs) or, in the incident, forwarded as a one-token stub so that decode read stale KV.
+With one limit computed the same way everywhere, no role ever starts on what another rejects.
+
+Formula (per server s, from its own scheduler; docs/admission.md):
+    input_s = min(context_length - 1, kv_s - 1) - 5       # SGLang's max_req_input_len (exclusive)
+    decode:  input_s = min(input_s, kv_s - reserve_s)     # decode keeps num_reserved_decode_tokens free
+    total_s = min(context_length, kv_s) - 2 * page_s      # single/decode hold prompt + output; prefill: no bound
+    deployment: max_input_tokens = min_s input_s, max_total_tokens = min_s total_s
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+from glm53_serving.errors import ClientError
+
+logger = logging.getLogger("glm53_serving")
+
+LIMITS_ENV = "GLM53_DEPLOYMENT_LIMITS"  # JSON of Limits, set by the launcher on every server
+CLIP_ENV = "GLM53_CLIP_OUTPUT"  # "1": clip max_new_tokens to the budget instead of rejecting
+NO_TOTAL_BOUND = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What one server can hold, as its scheduler reports it."""
+
+    role: str  # "single" | "prefill" | "decode"
+    context_length: int
+    kv_tokens: int
+    page_size: int = 1
+    decode_reserve: int = 0
+
+    def __post_init__(self):
+        assert self.role in ("single", "prefill", "decode"), self.role
+        assert self.context_length > 0 and self.kv_tokens > 0 and self.page_size > 0 and self.decode_reserve >= 0
+
+    @property
+    def max_input_tokens(self) -> int:
+        limit = min(self.context_length - 1, self.kv_tokens - 1) - 5
+        if self.role == "decode":
+            limit = min(limit, self.kv_tokens - self.decode_reserve)
+        return limit
+
+    @property
+    def max_total_tokens(self) -> int:
+        if self.role == "prefill":  # prefill frees the prompt's KV once it is sent
+            return NO_TOTAL_BOUND
+        return min(self.context_length, self.kv_tokens) - 2 * self.page_size
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_input_tokens: int  # exclusive: prompt_tokens must be < this
+    max_total_tokens: int  # inclusive: prompt_tokens + max_new_tokens must be <= this
+    context_length: int
+
+    def __post_init__(self):
+        assert self.max_input_tokens > 0, f"no prompt fits: {self}"
+
+    @classmethod
+    def of(cls, capacities: Iterable[Capacity]) -> "Limits":
+        caps = list(capacities)
+        assert caps, "no roles"
+        return cls(
+            max_input_tokens=min(c.max_input_tokens for c in caps),
+            max_total_tokens=min(c.max_total_tokens for c in caps),
+            context_length=min(c.context_length for c in caps),
+        )
+
+    def within(self, other: "Limits") -> bool:
+        return self.max_input_tokens <= other.max_input_tokens and self.max_total_tokens <= other.max_total_tokens
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_env(cls) -> "Limits | None":
+        raw = os.environ.get(LIMITS_ENV)
+        return cls(**json.loads(raw)) if raw else None
+
+
+def check(limits: Limits, prompt_tokens: int, max_new_tokens: int | None, clip: bool = False) -> int | None:
+    """The admission decision. Returns the max_new_tokens to use (unchanged, or clipped when
+    `clip`), or raises ClientError(context_length_exceeded)."""
+    details = {"prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
+               "max_input_tokens": limits.max_input_tokens, "max_total_tokens": limits.max_total_tokens}
+    if prompt_tokens >= limits.max_input_tokens:
+        raise ClientError(
+            "context_length_exceeded",
+            f"This deployment accepts prompts of at most {limits.max_input_tokens - 1} tokens; "
+            f"the prompt has {prompt_tokens}.",
+            param="messages", details=details,
+        )
+    if max_new_tokens is not None and prompt_tokens + max_new_tokens > limits.max_total_tokens:
+        if clip:
+            return limits.max_total_tokens - prompt_tokens
+        raise ClientError(
+            "context_length_exceeded",
+            f"This deployment serves at most {limits.max_total_tokens} tokens per request (prompt + output); "
+            f"{prompt_tokens} prompt tokens + {max_new_tokens} requested output tokens exceed it.",
+            param="max_tokens", details=details,
+        )
+    return max_new_tokens
+
+
+# --- wiring (hooks.HOOKS) ------------------------------------------------------------------
+
+_limits: Limits | None = None  # set in the HTTP process once the schedulers reported
+
+
+def set_limits(limits: Limits) -> None:
+    global _limits
+    _limits = limits
+    logger.info("glm53_serving admission limits: %s", limits)
+
+
+def current_limits() -> Limits | None:
+    return _limits
+
+
+def validate_request_hook(self, obj, input_ids, *args, **kwargs):
+    """BEFORE TokenizerManager._validate_one_request: runs in the HTTP process after
+    tokenization and before the request is sent to the scheduler."""
+    from glm53_serving import http_guard
+
+    limits = _limits
+    if limits is None:  # cannot happen after start-up (startup.py sets it); fail closed anyway
+        raise ClientError("context_length_exceeded", "admission limits are not initialised; refusing")
+    params = getattr(obj, "sampling_params", None)
+    if not isinstance(params, dict):  # embedding requests: prompt bound only
+        params = {}
+    requested = params.get("max_new_tokens")
+    try:
+        allowed = check(limits, len(input_ids) if input_ids is not None else 0, requested,
+                        clip=os.environ.get(CLIP_ENV) == "1")
+    except ClientError as e:
+        http_guard.reject(e, reason="context_length_exceeded")
+        raise
+    if allowed != requested:
+        params["max_new_tokens"] = allowed
+    return None

@@ -1,0 +1,47 @@
+"""The error contract: every rejection a client can cause, its HTTP status and its JSON body.
+
+Bodies follow OpenAI's shape so that every OpenAI client library surfaces them:
+    {"error": {"message": str, "type": str, "param": str | None, "code": str, ...numbers}}
+The gateway, the worker plugin and the tests all build and read errors through this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# code -> (HTTP status, OpenAI error type)
+CONTRACT: dict[str, tuple[int, str]] = {
+    "context_length_exceeded": (400, "invalid_request_error"),
+    "invalid_request_error": (400, "invalid_request_error"),
+    "request_too_large": (413, "invalid_request_error"),
+    "invalid_api_key": (401, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "kv_isolation_violation": (500, "server_error"),
+}
+
+
+@dataclass
+class ClientError(ValueError):
+    """A rejection with a contract code. A ValueError, so SGLang's own handlers treat it as a
+    client error (never a 500) even where our response rewrite does not reach."""
+
+    code: str
+    message: str
+    param: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        assert self.code in CONTRACT, self.code
+        ValueError.__init__(self, self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def status(self) -> int:
+        return CONTRACT[self.code][0]
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": CONTRACT[self.code][1], "param": self.param,
+                          "code": self.code, **self.details}}

@@ -1,0 +1,34 @@
+"""python -m glm53_serving.gateway --upstream URL --model-path DIR ... (the launcher starts it)."""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from glm53_serving.admission import Limits
+from glm53_serving.gateway.app import GatewayConfig, build_app
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m glm53_serving.gateway", description=__doc__)
+    p.add_argument("--upstream", required=True, help="the router (PD) or the single server")
+    p.add_argument("--model-path", required=True, help="checkpoint directory: its tokenizer and chat template count prompts")
+    p.add_argument("--served-model-name", required=True)
+    p.add_argument("--context-length", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--upstream-timeout-s", type=float, default=600.0)
+    a = p.parse_args(argv)
+    limits = Limits.from_env()
+    if limits is None:
+        p.error("GLM53_DEPLOYMENT_LIMITS is not set: the gateway enforces the deployment's limit and needs it")
+    cfg = GatewayConfig(upstream=a.upstream, model_path=a.model_path, served_model_name=a.served_model_name,
+                        context_length=a.context_length, limits=limits, max_body_bytes=a.max_body_bytes,
+                        upstream_timeout_s=a.upstream_timeout_s)
+    uvicorn.run(build_app(cfg), host=a.host, port=a.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

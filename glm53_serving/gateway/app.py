@@ -1,0 +1,187 @@
+"""The gateway's ASGI app (Starlette on uvicorn, httpx with a pooled upstream connection)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from glm53_serving.admission import Limits, check
+from glm53_serving.errors import ClientError
+from glm53_serving.gateway.tokens import PromptCounter, Uncountable
+
+logger = logging.getLogger("glm53_serving.gateway")
+
+GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
+# Hop-by-hop and length headers are the transport's business, not the client's.
+_DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
+_PASS_RESPONSE_HEADERS = {"content-type", "cache-control"}
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    upstream: str  # the router (PD) or the single server
+    model_path: str
+    served_model_name: str
+    context_length: int
+    limits: Limits
+    max_body_bytes: int = 8 * 1024 * 1024
+    upstream_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self):
+        assert self.upstream.startswith("http"), self.upstream
+        assert self.max_body_bytes > 0 and self.upstream_timeout_s > 0 and self.connect_timeout_s > 0
+
+
+def error_response(status: int, body: dict) -> JSONResponse:
+    return JSONResponse(body, status_code=status)
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.counter = PromptCounter(cfg.model_path)
+        self.client = httpx.AsyncClient(
+            base_url=cfg.upstream,
+            timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self.registry = CollectorRegistry()
+        self.requests = Counter("glm53_gateway_requests", "Requests answered by the gateway",
+                                ["endpoint", "status", "reason"], registry=self.registry)
+
+    # --- body ---------------------------------------------------------------------------------
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, or ClientError(request_too_large) as soon as it passes the limit."""
+        limit = self.cfg.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ClientError("request_too_large", f"Request body is {declared} bytes; the limit is {limit}.",
+                              details={"max_body_bytes": limit})
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ClientError("request_too_large", f"Request body exceeds the limit of {limit} bytes.",
+                                  details={"max_body_bytes": limit})
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # --- handlers -----------------------------------------------------------------------------
+
+    async def generation(self, request: Request) -> Response:
+        endpoint = request.url.path
+        try:
+            raw = await self.read_body(request)
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ClientError("invalid_request_error", f"The request body is not valid JSON: {e}")
+            if not isinstance(body, dict):
+                raise ClientError("invalid_request_error", "The request body must be a JSON object.")
+            try:
+                prompt, max_new = self.counter.count(endpoint, body)
+            except Uncountable:
+                prompt = None  # not ours to judge: the worker validates it with its own checks
+            if prompt is not None:
+                check(self.cfg.limits, prompt, max_new)
+        except ClientError as e:
+            return self._answer(endpoint, e.status, e.body(), reason=e.code)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return await self.forward(request, endpoint, raw)
+
+    async def forward(self, request: Request, endpoint: str, raw: bytes) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
+        upstream_req = self.client.build_request(request.method, endpoint, headers=headers, content=raw,
+                                                 params=request.query_params)
+        try:
+            upstream = await self.client.send(upstream_req, stream=True)
+        except httpx.TimeoutException:
+            return self._answer(endpoint, 504, _server_error("The model server did not answer in time.", "upstream_timeout"),
+                                reason="upstream_timeout")
+        except httpx.HTTPError as e:
+            return self._answer(endpoint, 502, _server_error(f"The model server is unreachable: {type(e).__name__}.",
+                                                             "upstream_unavailable"), reason="upstream_unavailable")
+        if upstream.status_code >= 400:
+            return await self._honest_error(endpoint, upstream)
+        self.requests.labels(endpoint=endpoint, status=str(upstream.status_code), reason="").inc()
+        return StreamingResponse(
+            upstream.aiter_raw(), status_code=upstream.status_code,
+            headers={k: v for k, v in upstream.headers.items() if k.lower() in _PASS_RESPONSE_HEADERS},
+            background=BackgroundTask(upstream.aclose),
+        )
+
+    async def _honest_error(self, endpoint: str, upstream: httpx.Response) -> Response:
+        """Pass a valid OpenAI-shaped error through; anything else (the router's cut or rewritten
+        PD bodies) becomes a valid JSON body with the upstream's status."""
+        status = upstream.status_code
+        try:
+            raw = await upstream.aread()
+        finally:
+            await upstream.aclose()
+        try:
+            body = json.loads(raw)
+            if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
+                return self._answer(endpoint, status, body, reason=str(body["error"].get("code") or "upstream"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            pass
+        text = raw.decode(errors="replace")[:500]
+        return self._answer(endpoint, status, {"error": {
+            "message": f"The model server answered {status}: {text}",
+            "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": None, "code": "upstream_error"}}, reason="upstream_error")
+
+    def _answer(self, endpoint: str, status: int, body: dict, reason: str) -> JSONResponse:
+        self.requests.labels(endpoint=endpoint, status=str(status), reason=reason).inc()
+        return error_response(status, body)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.cfg.served_model_name, "object": "model", "owned_by": "glm53_serving",
+            "max_model_len": self.cfg.context_length,
+            "max_input_tokens": self.cfg.limits.max_input_tokens - 1,
+        }]})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            r = await self.client.get("/health", timeout=10)
+            return Response(status_code=200 if r.status_code == 200 else 503)
+        except httpx.HTTPError:
+            return Response(status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+
+def build_app(cfg: GatewayConfig) -> Starlette:
+    gw = Gateway(cfg)
+    routes = [Route(p, gw.generation, methods=["POST"]) for p in GENERATION]
+    routes += [
+        Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+        Route("/metrics", gw.metrics, methods=["GET"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await gw.client.aclose()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gw
+    return app
+
+
+def _server_error(message: str, code: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}

@@ -1,0 +1,113 @@
+"""Hard 4xx: a request we reject gets its 4xx status and our JSON body before any byte of a 200.
+
+Invariant: if a guard rejected the request (`reject()`), the client receives exactly one response,
+with the contract's status and body, whatever SGLang's handler had started to send.
+
+Attack/incident closed: upstream answers an over-length streaming /generate with HTTP 200 and
+the error inside the stream, and a scheduler-side rejection of a streaming chat the same way; a
+client (or a proxy, or the incident's clients) that trusts the status takes it for an answer.
+
+How: a pure ASGI middleware on SGLang's app holds back `http.response.start` until the first
+body chunk exists. Guards running anywhere in the request's task tree (the tokenizer hook, in
+the same asyncio context) record their rejection in a per-request slot; when the first chunk
+arrives and a rejection is recorded, the held-back start and the upstream body are dropped and
+the contract response is sent instead. Holding the start costs nothing a client can see: no
+status is useful before the first byte of the body exists.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+from dataclasses import dataclass
+
+from glm53_serving.errors import ClientError
+
+logger = logging.getLogger("glm53_serving")
+
+
+@dataclass(slots=True)
+class _Slot:
+    path: str
+    rejection: ClientError | None = None
+
+
+_slot: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("glm53_request_slot", default=None)
+_rejections = None  # prometheus Counter, created on first use (after SGLang set up multiprocess mode)
+
+
+def _count(reason: str, endpoint: str) -> None:
+    global _rejections
+    try:
+        if _rejections is None:
+            from prometheus_client import Counter
+
+            _rejections = Counter("glm53_rejections", "Requests rejected by glm53_serving guards",
+                                  ["reason", "endpoint"])
+        _rejections.labels(reason=reason, endpoint=endpoint).inc()
+    except Exception:  # noqa: BLE001 - metrics must never turn a 4xx into a 500
+        logger.exception("glm53_serving: counting a rejection failed")
+
+
+def reject(error: ClientError, reason: str) -> None:
+    """Record that this request is rejected; the middleware turns it into the response."""
+    slot = _slot.get()
+    endpoint = slot.path if slot else "unknown"
+    if slot is not None and slot.rejection is None:
+        slot.rejection = error
+    logger.info("glm53_serving rejected %s on %s: %s", reason, endpoint, error.message)
+    _count(reason, endpoint)
+
+
+class HardRejectMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        slot = _Slot(path=scope.get("path", ""))
+        token = _slot.set(slot)
+        held: dict | None = None
+        replaced = False
+
+        async def guarded_send(message):
+            nonlocal held, replaced
+            if replaced:
+                return  # the contract response went out; swallow the rest of upstream's
+            if message["type"] == "http.response.start":
+                held = message
+                return
+            if message["type"] == "http.response.body" and held is not None:
+                if slot.rejection is not None:
+                    replaced = True
+                    body = json.dumps(slot.rejection.body()).encode()
+                    await send({"type": "http.response.start", "status": slot.rejection.status,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                    return
+                start, held = held, None
+                await send(start)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, guarded_send)
+        finally:
+            _slot.reset(token)
+
+
+def install_middleware_hook(*args, **kwargs):
+    """BEFORE http_server.launch_server: add the middleware while the app can still take it."""
+    from sglang.srt.entrypoints.http_server import app
+
+    if not any(m.cls is HardRejectMiddleware for m in app.user_middleware):
+        app.add_middleware(HardRejectMiddleware)
+    return None
+
+
+def installed() -> bool:
+    from sglang.srt.entrypoints.http_server import app
+
+    return any(m.cls is HardRejectMiddleware for m in app.user_middleware)

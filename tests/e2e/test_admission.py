@@ -1,0 +1,214 @@
+"""One length limit, hard 4xx everywhere: real servers, both topologies, at the client endpoint
+and straight to each worker. Every rejection is checked by content (contract body, numbers) and
+by the server's own counters (no token generated), not by status alone."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from glm53_serving.topology import REPO_LAUNCH_DIR, Topology, free_port
+from tests.e2e.launcher import alive, launch
+
+pytestmark = pytest.mark.e2e
+
+P, T = 506, 510  # launch/cpu.toml: max_input_tokens (exclusive), max_total_tokens (docs/admission.md)
+
+
+def over_length(endpoint, stream, n_prompt=P, max_new=4):
+    """A request whose prompt has exactly n_prompt tokens (or, for text endpoints, at least)."""
+    if endpoint == "/generate":
+        return {"input_ids": [5] * n_prompt, "stream": stream, "sampling_params": {"max_new_tokens": max_new}}
+    text = "hello world " * n_prompt  # >= 2 tokens per repetition with glm53-tiny's tokenizer
+    if endpoint == "/v1/completions":
+        return {"model": "glm53-tiny", "prompt": text, "max_tokens": max_new, "stream": stream}
+    return {"model": "glm53-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_new, "stream": stream}
+
+
+def metric(url, name, **labels):
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def generated_tokens(url):
+    return metric(url, "sglang:generation_tokens_histogram_sum")
+
+
+def assert_contract_400(r, prompt_at_least=P):
+    assert r.status_code == 400, r.text[:500]
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
+    assert err["prompt_tokens"] >= prompt_at_least or err["prompt_tokens"] + (err["max_new_tokens"] or 0) > err["max_total_tokens"]
+    assert err["max_input_tokens"] == P and err["max_total_tokens"] == T
+    return err
+
+
+ENDPOINTS = ["/generate", "/v1/completions", "/v1/chat/completions"]
+
+
+def worker_urls(single, pd):
+    return {"single": single.worker("server"), "prefill": pd.worker("prefill-0"), "decode": pd.worker("decode-0")}
+
+
+@pytest.mark.parametrize("where", ["single", "prefill", "decode"])
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_over_length_is_a_contract_400_before_any_token(single, pd, where, endpoint, stream):
+    url = worker_urls(single, pd)[where]
+    before_tokens, before_rej = generated_tokens(url), metric(url, "glm53_rejections_total", endpoint=endpoint)
+    r = httpx.post(f"{url}{endpoint}", json=over_length(endpoint, stream), timeout=30)
+    assert_contract_400(r)
+    assert metric(url, "glm53_rejections_total", endpoint=endpoint, reason="context_length_exceeded") == before_rej + 1
+    assert generated_tokens(url) == before_tokens  # the scheduler never ran it
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_over_length_straight_to_the_router_is_a_fast_4xx_and_nothing_runs(pd, endpoint, stream):
+    # Behind the gateway, for what reaches the router some other way: sglang-router rewrites PD
+    # error bodies and cuts streaming ones (patches/sglang-router-0.3.2-pd-error-bodies.md), but
+    # the status holds, it is fast, and neither worker generates anything.
+    workers = [pd.worker("prefill-0"), pd.worker("decode-0")]
+    before = [generated_tokens(w) for w in workers]
+    t0 = time.monotonic()
+    r = httpx.post(f"{pd.worker('router')}{endpoint}", json=over_length(endpoint, stream), timeout=30)
+    assert time.monotonic() - t0 < 1.0
+    assert r.status_code == 400
+    assert "prompts of at most 505 tokens" in r.text
+    assert [generated_tokens(w) for w in workers] == before
+
+
+@pytest.mark.parametrize("topology", ["single", "pd"])
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_over_length_at_the_client_endpoint_is_the_contract_400(single, pd, topology, endpoint, stream):
+    run = single if topology == "single" else pd
+    workers = [single.worker("server")] if topology == "single" else [pd.worker("prefill-0"), pd.worker("decode-0")]
+    before = [metric(w, "glm53_rejections_total") for w in workers]
+    t0 = time.monotonic()
+    r = httpx.post(f"{run.url}{endpoint}", json=over_length(endpoint, stream), timeout=30)
+    assert time.monotonic() - t0 < 1.0
+    assert_contract_400(r)
+    # The gateway rejected it: no worker (nor the router) saw the request.
+    assert [metric(w, "glm53_rejections_total") for w in workers] == before
+    assert metric(run.url, "glm53_gateway_requests_total", endpoint=endpoint, status="400", reason="context_length_exceeded") >= 1
+
+
+@pytest.mark.parametrize("where", ["single", "pd"])
+def test_exactly_at_the_limit_rejected_one_below_served(single, pd, where):
+    url = single.url if where == "single" else pd.url
+    r = httpx.post(f"{url}/generate", json=over_length("/generate", False, n_prompt=P), timeout=30)
+    assert r.status_code == 400 and "the prompt has 506" in r.text
+    ok = httpx.post(f"{url}/generate", timeout=120, json={
+        "input_ids": [5] * (P - 1), "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["output_ids"]) == 4 and ok.json()["meta_info"]["prompt_tokens"] == P - 1
+
+
+@pytest.mark.parametrize("where", ["single", "prefill", "decode"])
+def test_prompt_plus_max_tokens_over_the_budget_is_400_not_silent_clipping(single, pd, where):
+    url = worker_urls(single, pd)[where]
+    r = httpx.post(f"{url}/generate", timeout=30, json={
+        "input_ids": [5] * 100, "sampling_params": {"max_new_tokens": T - 100 + 1, "ignore_eos": True}})
+    err = assert_contract_400(r, prompt_at_least=0)
+    assert err["param"] == "max_tokens" and err["max_new_tokens"] == T - 99
+
+
+def test_prompt_plus_max_tokens_at_the_budget_is_served_in_full(single):
+    r = httpx.post(f"{single.url}/generate", timeout=300, json={
+        "input_ids": [5] * 10, "sampling_params": {"max_new_tokens": T - 10, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200
+    assert r.json()["meta_info"]["completion_tokens"] == T - 10  # not clipped
+
+
+# --- asymmetric PD pools: what upstream parks (client hangs) must be a 4xx within 1 s -----------
+
+def asym_config(tmp_path, prefill_kv, decode_kv):
+    text = (REPO_LAUNCH_DIR / "cpu.toml").read_text()
+    text = text.replace("clamp_context_to_kv = false", "clamp_context_to_kv = true")
+    text = text.replace("[prefill]\ncount = 1", f"[prefill]\ncount = 1\nkv_tokens = {prefill_kv}")
+    text = text.replace("decode_reserve = 64", f"decode_reserve = 16\nkv_tokens = {decode_kv}")
+    p = tmp_path / "asym.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("prefill_kv, decode_kv", [(2048, 256), (256, 2048)], ids=["decode-smaller", "prefill-smaller"])
+def test_asymmetric_pools_reject_in_under_a_second_and_serve_below(tmp_path, prefill_kv, decode_kv):
+    cfg = asym_config(tmp_path, prefill_kv, decode_kv)
+    ctx, limits = Topology.load(cfg).admission_plan()
+    assert ctx == 256
+    run = launch(tmp_path / "run", "--config", str(cfg))
+    try:
+        # The window was clamped to the smallest pool, and every worker says so.
+        for w in ("prefill-0", "decode-0"):
+            (m,) = httpx.get(f"{run.worker(w)}/v1/models", timeout=30).json()["data"]
+            assert m["max_model_len"] == 256
+        # A prompt the bigger role alone would take, the smaller one not: upstream hangs here.
+        for n in (limits.max_input_tokens, limits.max_input_tokens + 5):
+            for stream in (False, True):
+                t0 = time.monotonic()
+                r = httpx.post(f"{run.url}/generate", json=over_length("/generate", stream, n_prompt=n), timeout=30)
+                assert time.monotonic() - t0 < 1.0 and r.status_code == 400, r.text
+                assert f"prompts of at most {limits.max_input_tokens - 1} tokens" in r.text
+        ok = httpx.post(f"{run.url}/generate", timeout=120, json={
+            "input_ids": [5] * (limits.max_input_tokens - 1), "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
+    finally:
+        run.stop()
+        assert alive(run.info["all_pids"]) == []
+
+
+# --- start-up lint -------------------------------------------------------------------------
+
+def test_launcher_refuses_the_incident_configuration(tmp_path):
+    cfg = tmp_path / "incident.toml"
+    cfg.write_text((REPO_LAUNCH_DIR / "cpu.toml").read_text().replace("decode_reserve = 64", "decode_reserve = 16\nkv_tokens = 256"))
+    out = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--config", str(cfg), "--run-dir", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "512" in out.stderr and "256" in out.stderr and "clamp_context_to_kv = true" in out.stderr
+    assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def run_server_directly(tmp_path, role, extra_env=None, kv=2048):
+    """A hand-launched server (no launcher): it must check its own capacity."""
+    topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml", "single" if role == "single" else "pd")
+    from glm53_serving.models import tiny
+
+    argv = topo.server_argv(str(tiny.ensure()), 0, role, bootstrap_port=0)
+    argv[argv.index("--max-total-tokens") + 1] = str(kv)
+    argv[argv.index("--port") + 1] = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "GLM53_DEPLOYMENT_LIMITS"}
+    env.update({k: v for k, v in topo.process_env().items() if k != "GLM53_DEPLOYMENT_LIMITS"}, **(extra_env or {}))
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_hand_launched_server_refuses_a_window_larger_than_its_pool(tmp_path):
+    out = run_server_directly(tmp_path, "single", kv=256)
+    assert out.returncode != 0
+    assert "glm53_serving: refusing to start" in out.stderr + out.stdout
+    assert "context window (512 tokens) exceeds this single server's KV capacity (256 tokens)" in out.stderr + out.stdout
+
+
+def test_hand_launched_pd_server_without_the_deployment_limits_refuses(tmp_path):
+    out = run_server_directly(tmp_path, "decode")
+    assert out.returncode != 0 and "needs the deployment's limits" in out.stderr + out.stdout
+
+
+def test_pd_server_smaller_than_the_deployment_declared_refuses(tmp_path):
+    limits = json.dumps({"max_input_tokens": P, "max_total_tokens": T, "context_length": 512})
+    out = run_server_directly(tmp_path, "decode", {"GLM53_DEPLOYMENT_LIMITS": limits}, kv=400)
+    assert out.returncode != 0 and "less than the deployment's limits" in out.stderr + out.stdout
