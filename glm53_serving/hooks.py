@@ -81,6 +81,32 @@ HOOKS: tuple[Hook, ...] = (
         "reject prompts over the deployment-wide limit (min over prefill and decode) in the HTTP "
         "process, before any scheduler sees them; upstream checks only context_len here",
     ),
+    # --- KV hygiene: zero before reuse (kv_guard.py) ----------------------------------------
+    Hook(
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc", Kind.AFTER,
+        "glm53_serving.kv_guard:zero_after_alloc", ("self", "need_size"),
+        "page size 1: every slot handed out reads zeros until its request writes it",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc", Kind.AFTER,
+        "glm53_serving.kv_guard:zero_after_alloc", ("self", "need_size"),
+        "paged pools: plain allocations (decode pre-allocation, chunked prefill) read zeros",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend", Kind.AFTER,
+        "glm53_serving.kv_guard:zero_after_alloc", ("self", "prefix_lens", "prefix_lens_cpu", "seq_lens"),
+        "paged pools: prefill extension slots read zeros",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode", Kind.AFTER,
+        "glm53_serving.kv_guard:zero_after_alloc", ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
+        "paged pools: each decode step's new slot reads zeros",
+    ),
+    Hook(
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc", Kind.AFTER,
+        "glm53_serving.kv_guard:publish_after_zeroing", ("self",),
+        "PD decode: the zero fills complete before the destination's page indices go to prefill",
+    ),
     # --- CPU development stack only (glm53_serving/cpu.py) ----------------------------------
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.__init__", Kind.BEFORE,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 
-from glm53_serving import admission, http_guard, plugin
+from glm53_serving import admission, http_guard, kv_guard, plugin
 from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
@@ -91,6 +91,7 @@ def scheduler_verified_info(result: dict, self) -> dict:
         except (TypeError, ValueError) as e:
             deployment, problems = None, [*problems, f"{admission.LIMITS_ENV} is malformed: {e}"]
         problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
+        problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
     if problems:
         raise _refuse("scheduler", problems)
     result[STATUS_KEY] = {**plugin.status(), "capacity": {

@@ -1,0 +1,95 @@
+"""KV pages are tenant data: every KV slot the allocator hands out reads as zeros.
+
+Invariant: a KV slot returned by an allocation holds zeros in every layer buffer of the pool
+(K and V, or the MLA latent buffer) until the request it was allocated for writes it. In PD,
+decode's pre-allocated destination is zero before its indices are published to prefill.
+
+Attack/incident closed: the decoder attended over KV pages that earlier requests of other
+customers had left behind (a one-token stub forwarded as if prefilled; upstream, still: a fake
+bootstrap host, or prefill and decode truncating to different lengths). Upstream SGLang never
+clears a page on free or allocation, so any such path leaks another tenant's KV; with this guard
+it reads zeros instead.
+
+How: an AFTER hook on each allocation method of the supported allocators zeroes the returned
+slots with one indexed fill per layer buffer (batched per allocation, never a loop per page).
+A server whose allocator or pool this module does not know how to zero refuses to start.
+Still to come (see the KV-hygiene issue): owner tags and the per-read owner check.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("glm53_serving")
+
+# Exact types only: a subclass may allocate through paths these hooks do not see.
+SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+# Pool layouts whose layer buffers are indexed by token slot on dim 0.
+SUPPORTED_POOLS = {"MHATokenToKVPool": ("k_buffer", "v_buffer"), "MLATokenToKVPool": ("kv_buffer",)}
+
+_zeroed = None  # prometheus Counter, created lazily in the scheduler process
+
+
+def layer_buffers(pool) -> list[torch.Tensor]:
+    names = SUPPORTED_POOLS.get(type(pool).__name__)
+    if names is None:
+        raise TypeError(f"kv_guard cannot zero a {type(pool).__name__}")
+    bufs = []
+    for name in names:
+        b = getattr(pool, name)
+        bufs.extend(b if isinstance(b, (list, tuple)) else [b])
+    assert bufs and all(isinstance(b, torch.Tensor) for b in bufs), type(pool).__name__
+    return bufs
+
+
+def zero_slots(pool, slots: torch.Tensor) -> None:
+    """Zero `slots` (token slot ids) in every layer buffer of `pool`."""
+    if slots.numel() == 0:
+        return
+    for buf in layer_buffers(pool):
+        buf.index_fill_(0, slots, 0)
+    _count(int(slots.numel()))
+
+
+def _count(n: int) -> None:
+    global _zeroed
+    try:
+        if _zeroed is None:
+            from prometheus_client import Counter
+
+            _zeroed = Counter("glm53_kv_zeroed_slots", "KV slots zeroed before reuse")
+        _zeroed.inc(n)
+    except Exception:  # noqa: BLE001 - metrics must never break allocation
+        logger.exception("glm53_serving: counting zeroed slots failed")
+
+
+def zero_after_alloc(result, self, *args, **kwargs):
+    """AFTER TokenToKVPoolAllocator.alloc and PagedTokenToKVPoolAllocator.alloc/alloc_extend/alloc_decode."""
+    if result is not None:
+        zero_slots(self.get_kvcache(), result)
+    return result
+
+
+def publish_after_zeroing(result, self, *args, **kwargs):
+    """AFTER DecodePreallocQueue._pre_alloc: the fills above are queued on the device stream;
+    wait for them before the page indices can be published to prefill, whose writes land over
+    the network and do not wait for our stream (vLLM zeroed after the transfer and clobbered
+    landed KV; this is the other order). CPU ops are synchronous already."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+    return result
+
+
+def allocator_problems(allocator) -> list[str]:
+    """Why this scheduler's allocator cannot be guarded (empty: it can)."""
+    name = type(allocator).__name__
+    if name not in SUPPORTED_ALLOCATORS:
+        return [f"kv_guard does not support the {name} allocator (supported: {', '.join(SUPPORTED_ALLOCATORS)}); "
+                "serving without zero-before-reuse is refused"]
+    pool = allocator.get_kvcache()
+    if type(pool).__name__ not in SUPPORTED_POOLS:
+        return [f"kv_guard cannot zero the {type(pool).__name__} KV pool (supported: {', '.join(SUPPORTED_POOLS)}); "
+                "serving without zero-before-reuse is refused"]
+    return []
