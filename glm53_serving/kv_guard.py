@@ -49,7 +49,9 @@ def zero_slots(pool, slots: torch.Tensor) -> None:
     if slots.numel() == 0:
         return
     for buf in layer_buffers(pool):
-        buf.index_fill_(0, slots, 0)
+        # Rows as flat vectors: the fill then streams whole rows instead of walking head x dim.
+        rows = buf.view(buf.shape[0], -1) if buf.is_contiguous() else buf
+        rows.index_fill_(0, slots, 0)
     _count(int(slots.numel()))
 
 

@@ -139,14 +139,20 @@ class Supervisor:
 
 # --- readiness probes -------------------------------------------------------------------------
 
+def _get_ok(child: Child, client: httpx.Client, path: str, timeout: float = 5) -> httpx.Response | None:
+    """The response if `path` answers 200; otherwise None, with what it said in child.note."""
+    try:
+        r = client.get(f"{child.url}{path}", timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    child.note = f"{path} {r.status_code}"
+    return r if r.status_code == 200 else None
+
+
 def server_probe(child: Child, client: httpx.Client) -> bool:
     """Ready when /server_info answers; refuse a server on which the plugin is not active."""
-    try:
-        r = client.get(f"{child.url}/server_info", timeout=5)
-    except httpx.HTTPError:
-        return False
-    if r.status_code != 200:
-        child.note = f"/server_info {r.status_code}"
+    r = _get_ok(child, client, "/server_info")
+    if r is None:
         return False
     status = r.json().get("glm53_serving")
     if status is None:
@@ -163,17 +169,18 @@ def server_probe(child: Child, client: httpx.Client) -> bool:
 def router_probe(expected_workers: int) -> Callable[[Child, httpx.Client], bool]:
     def probe(child: Child, client: httpx.Client) -> bool:
         # The router answers /health before it has registered workers; /workers tells the truth.
-        try:
-            r = client.get(f"{child.url}/workers", timeout=5)
-        except httpx.HTTPError:
-            return False
-        if r.status_code != 200:
+        r = _get_ok(child, client, "/workers")
+        if r is None:
             return False
         total = r.json().get("total", 0)
         child.note = f"{total}/{expected_workers} workers"
         return total >= expected_workers
 
     return probe
+
+
+def gateway_probe(child: Child, client: httpx.Client) -> bool:
+    return _get_ok(child, client, "/health", timeout=30) is not None
 
 
 def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client], bool]], t0: float, timeout_s: float) -> None:
@@ -256,15 +263,6 @@ def plan(topo: Topology, model_path: str, run_dir: Path) -> Plan:
         upstream = router.url
     gateway = child("gateway", lambda port: topo.gateway_argv(upstream, model_path, port))
     return Plan(servers, router, gateway)
-
-
-def gateway_probe(child: Child, client: httpx.Client) -> bool:
-    try:
-        r = client.get(f"{child.url}/health", timeout=30)
-    except httpx.HTTPError:
-        return False
-    child.note = f"/health {r.status_code}"
-    return r.status_code == 200
 
 
 def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:

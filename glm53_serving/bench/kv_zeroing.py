@@ -1,0 +1,80 @@
+"""Cost of zero-before-reuse against upstream, in one run, on this machine's real SGLang pools.
+
+    python -m glm53_serving.bench.kv_zeroing [--layers 16] [--slots 65536] [--alloc 4096]
+
+Prints (1) zeroing bandwidth of kv_guard's batched indexed fill vs. torch.zero_ on a contiguous
+buffer of the same byte size (the memset limit), and (2) allocator operations per second with
+and without the zeroing hook, for a prefill-sized allocation and a decode step (1 slot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+import torch  # noqa: E402
+
+from glm53_serving import kv_guard  # noqa: E402
+
+
+def best_of(fn, repeat: int, inner: int) -> float:
+    """Seconds per call, best of `repeat` timings of `inner` calls."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--slots", type=int, default=65536)
+    p.add_argument("--alloc", type=int, default=4096, help="slots per prefill-sized allocation")
+    p.add_argument("--dtype", default="bfloat16")
+    a = p.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
+
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(a.slots, 1, dtype, a.heads, a.head_dim, a.layers, "cpu", False)
+    alloc = TokenToKVPoolAllocator(a.slots, dtype, "cpu", pool, False)
+    bufs = kv_guard.layer_buffers(pool)
+    slot_bytes = sum(b[0].numel() * b.element_size() for b in bufs)
+    print(f"pool: {a.layers} layers x K,V x {a.heads} heads x {a.head_dim} ({a.dtype}), {a.slots} slots, "
+          f"{slot_bytes} B/slot, {slot_bytes * a.slots / 2**30:.2f} GiB; torch threads {torch.get_num_threads()}")
+
+    # (1) bandwidth: scattered slots, as the allocator hands them out after churn
+    idx = torch.randperm(a.slots, dtype=torch.int64)[: a.alloc] + 1
+    nbytes = slot_bytes * a.alloc
+    flat = torch.empty(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
+    t_zero = best_of(lambda: kv_guard.zero_slots(pool, idx), 5, 5)
+    t_memset = best_of(flat.zero_, 5, 5)
+    print(f"zeroing {a.alloc} slots ({nbytes / 2**20:.1f} MiB): kv_guard {nbytes / t_zero / 1e9:.2f} GB/s, "
+          f"torch.zero_ {nbytes / t_memset / 1e9:.2f} GB/s  -> ratio {t_memset / t_zero:.2f}x of memset")
+
+    # (2) allocator ops/s, upstream vs guarded, same allocator
+    def cycle(n, guarded):
+        def run():
+            got = alloc.alloc(n)
+            if guarded:
+                kv_guard.zero_after_alloc(got, alloc, n)
+            alloc.free(got)
+        return run
+
+    for label, n, inner in (("prefill-sized alloc+free", a.alloc, 20), ("decode step alloc+free (1 slot)", 1, 2000)):
+        up, guarded = best_of(cycle(n, False), 5, inner), best_of(cycle(n, True), 5, inner)
+        print(f"{label}: upstream {1 / up:,.0f} ops/s, guarded {1 / guarded:,.0f} ops/s -> ratio {up / guarded:.3f}x "
+              f"(+{(guarded - up) * 1e6:.1f} us per op)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""End-to-end costs against upstream, each in one run, with SGLang's own load generator.
+
+    python -m glm53_serving.bench.serving gateway   # PD: client -> gateway -> router vs. client -> router
+    python -m glm53_serving.bench.serving kv_guard  # single server: guards on vs. GLM53_SERVING_DISABLE=1
+
+Each side runs `sglang.bench_serving` (dataset random-ids, greedy) the same number of times,
+alternating, on the same deployment where possible; the best throughput and the median
+latencies of each side are compared and printed as ratios. Not a test: numbers, for docs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from glm53_serving.models import tiny
+
+
+def start(run_dir: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen([sys.executable, "-m", "glm53_serving.launch", "--run-dir", str(run_dir), *args],
+                            env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ready = run_dir / "ready.json"
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"launcher failed: see {run_dir}")
+        time.sleep(0.5)
+    return proc, json.loads(ready.read_text())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    proc.wait(120)
+
+
+def bench(url: str, a, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+           "--dataset-name", "random-ids", "--tokenizer", str(tiny.ensure()), "--model", "glm53-tiny",
+           "--num-prompts", str(a.num_prompts), "--random-input-len", str(a.input_len),
+           "--random-output-len", str(a.output_len), "--random-range-ratio", "1.0",
+           "--request-rate", str(a.request_rate), "--max-concurrency", str(a.concurrency),
+           "--disable-tqdm", "--output-file", str(out), "--seed", "1"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(out.read_text().splitlines()[-1])
+
+
+def compare(name_a: str, runs_a: list[dict], name_b: str, runs_b: list[dict]) -> None:
+    def summary(runs):
+        tput = max(r["output_throughput"] for r in runs)
+        p50 = sorted(r["median_e2e_latency_ms"] for r in runs)[len(runs) // 2]
+        p99 = sorted(r["p99_e2e_latency_ms"] for r in runs)[len(runs) // 2]
+        return tput, p50, p99
+
+    ta, pa50, pa99 = summary(runs_a)
+    tb, pb50, pb99 = summary(runs_b)
+    print(f"{name_a:>22}: {ta:8.1f} output tok/s, e2e p50 {pa50:8.2f} ms, p99 {pa99:8.2f} ms")
+    print(f"{name_b:>22}: {tb:8.1f} output tok/s, e2e p50 {pb50:8.2f} ms, p99 {pb99:8.2f} ms")
+    print(f"{'ratio':>22}: throughput {ta / tb:.3f}x, added p50 {pa50 - pb50:+.2f} ms, added p99 {pa99 - pb99:+.2f} ms")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("gateway", "kv_guard"))
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--request-rate", default="inf")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="glm53-bench-"))
+    print(f"{a.what}: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
+          f"{a.rounds} alternating rounds per side; logs in {tmp}")
+    if a.what == "gateway":
+        proc, info = start(tmp / "pd")
+        router = next(x["url"] for x in info["processes"] if x["name"] == "router")
+        try:
+            runs = {"gateway": [], "router": []}
+            for i in range(a.rounds):
+                for side, url in (("gateway", info["client_url"]), ("router", router)):
+                    runs[side].append(bench(url, a, tmp / f"{side}-{i}.jsonl"))
+        finally:
+            stop(proc)
+        compare("via gateway", runs["gateway"], "straight to router", runs["router"])
+    else:
+        runs = {"on": [], "off": []}
+        for side, env in (("on", {}), ("off", {"GLM53_SERVING_DISABLE": "1"})):
+            proc, info = start(tmp / side, "--topology", "single", env=env)
+            server = next(x["url"] for x in info["processes"] if x["name"] == "server")
+            try:
+                for i in range(a.rounds):
+                    runs[side].append(bench(server, a, tmp / f"{side}-{i}.jsonl"))
+            finally:
+                stop(proc)
+        compare("kv guard on", runs["on"], "guards off (upstream)", runs["off"])
+
+
+if __name__ == "__main__":
+    main()
