@@ -116,7 +116,7 @@ def check(limits: Limits, prompt_tokens: int, max_new_tokens: int | None, clip: 
     return max_new_tokens
 
 
-# --- wiring (hooks.HOOKS) ------------------------------------------------------------------
+# --- state of the HTTP process (set by startup.py, read by intake.py) --------------------------
 
 _limits: Limits | None = None  # set in the HTTP process once the schedulers reported
 
@@ -129,26 +129,3 @@ def set_limits(limits: Limits) -> None:
 
 def current_limits() -> Limits | None:
     return _limits
-
-
-def validate_request_hook(self, obj, input_ids, *args, **kwargs):
-    """BEFORE TokenizerManager._validate_one_request: runs in the HTTP process after
-    tokenization and before the request is sent to the scheduler."""
-    from glm53_serving import http_guard
-
-    limits = _limits
-    if limits is None:  # cannot happen after start-up (startup.py sets it); fail closed anyway
-        raise ClientError("context_length_exceeded", "admission limits are not initialised; refusing")
-    params = getattr(obj, "sampling_params", None)
-    if not isinstance(params, dict):  # embedding requests: prompt bound only
-        params = {}
-    requested = params.get("max_new_tokens")
-    try:
-        allowed = check(limits, len(input_ids) if input_ids is not None else 0, requested,
-                        clip=os.environ.get(CLIP_ENV) == "1")
-    except ClientError as e:
-        http_guard.reject(e, reason="context_length_exceeded")
-        raise
-    if allowed != requested:
-        params["max_new_tokens"] = allowed
-    return None

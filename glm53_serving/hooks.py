@@ -77,9 +77,10 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", Kind.BEFORE,
-        "glm53_serving.admission:validate_request_hook", ("self", "obj", "input_ids"),
-        "reject prompts over the deployment-wide limit (min over prefill and decode) in the HTTP "
-        "process, before any scheduler sees them; upstream checks only context_len here",
+        "glm53_serving.intake:validate_request_hook", ("self", "obj", "input_ids"),
+        "in the HTTP process, before any scheduler sees the request: token ids inside the "
+        "vocabulary (upstream crashes), PD routing fields on PD roles (upstream decode crashes), "
+        "and the deployment-wide length limit (upstream checks only context_len here)",
     ),
     # --- KV hygiene: zero before reuse (kv_guard.py) ----------------------------------------
     Hook(

@@ -1,0 +1,70 @@
+"""Intake: what the HTTP/tokenizer process checks before a request may reach a scheduler.
+
+Invariant: a request reaches a scheduler only with token ids inside the vocabulary, with the PD
+routing fields a PD role needs, and within the deployment's length limit (admission.py).
+Everything else is a contract 4xx (errors.py) from the HTTP process; no scheduler, and so no
+other tenant's request, is ever exposed to it.
+
+Attacks closed (measured on upstream 0.5.23): a negative or out-of-vocabulary id in
+`input_ids` kills the server (IndexError in the embedding lookup takes the scheduler down, and
+in PD the client hangs); a `/generate` sent straight to a decode server without bootstrap
+fields kills the decode server (AttributeError in `_bootstrap_addr`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from glm53_serving import admission, http_guard
+from glm53_serving.errors import ClientError
+
+
+def check_token_ids(input_ids, vocab_size: int) -> None:
+    if not input_ids:
+        return
+    lo, hi = min(input_ids), max(input_ids)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ClientError("invalid_request_error",
+                          f"input_ids contains token id {bad}, outside this model's vocabulary [0, {vocab_size}).",
+                          param="input_ids", details={"vocab_size": vocab_size})
+
+
+def check_pd_routing(role: str, bootstrap_host, bootstrap_room) -> None:
+    """A PD role serves only requests its router paired (bootstrap fields set); upstream crashes
+    the decode server on one without them."""
+    if role in ("prefill", "decode") and (bootstrap_host is None or bootstrap_room is None):
+        raise ClientError("invalid_request_error",
+                          f"This is a PD {role} server: it serves only requests routed by its deployment "
+                          "(bootstrap_host and bootstrap_room missing). Send requests to the gateway.",
+                          param="bootstrap_host")
+
+
+def _role() -> str:
+    from sglang.srt.runtime_context import get_disagg
+
+    return {"prefill": "prefill", "decode": "decode"}.get(get_disagg().disaggregation_mode or "null", "single")
+
+
+def validate_request_hook(self, obj, input_ids, *args, **kwargs):
+    """BEFORE TokenizerManager._validate_one_request: runs after tokenization, before the
+    request is sent to the scheduler."""
+    limits = admission.current_limits()
+    try:
+        if limits is None:  # cannot happen after start-up (startup.py sets it); fail closed anyway
+            raise ClientError("context_length_exceeded", "admission limits are not initialised; refusing")
+        check_token_ids(input_ids, self.model_config.vocab_size)
+        if hasattr(obj, "bootstrap_host"):  # generation requests (embeddings carry no routing)
+            check_pd_routing(_role(), obj.bootstrap_host, obj.bootstrap_room)
+        params = getattr(obj, "sampling_params", None)
+        if not isinstance(params, dict):  # embedding requests: prompt bound only
+            params = {}
+        requested = params.get("max_new_tokens")
+        allowed = admission.check(limits, len(input_ids) if input_ids is not None else 0, requested,
+                                  clip=os.environ.get(admission.CLIP_ENV) == "1")
+    except ClientError as e:
+        http_guard.reject(e, reason=e.code if e.code != "invalid_request_error" else f"invalid_{e.param}")
+        raise
+    if allowed != requested:
+        params["max_new_tokens"] = allowed
+    return None
