@@ -44,15 +44,44 @@ def layer_buffers(pool) -> list[torch.Tensor]:
     return bufs
 
 
+MAX_RUNS_AS_SLICES = 4  # an allocation in at most this many contiguous runs is zeroed slice by slice
+
+
 def zero_slots(pool, slots: torch.Tensor) -> None:
-    """Zero `slots` (token slot ids) in every layer buffer of `pool`."""
+    """Zero `slots` (token slot ids) in every layer buffer of `pool`: per buffer, one indexed
+    fill, or a few slice fills when the slots form a few contiguous runs (the common case: the
+    allocator hands out ranges of its free list). Zero bytes are zero in every KV dtype, so
+    rows are filled as 8-byte words where they can be."""
     if slots.numel() == 0:
         return
+    runs = _runs(slots) if slots.device.type == "cpu" else None  # finding runs on a GPU would sync
     for buf in layer_buffers(pool):
-        # Rows as flat vectors: the fill then streams whole rows instead of walking head x dim.
-        rows = buf.view(buf.shape[0], -1) if buf.is_contiguous() else buf
-        rows.index_fill_(0, slots, 0)
+        rows = _as_words(buf)
+        if runs is not None and len(runs) <= MAX_RUNS_AS_SLICES:
+            for start, stop in runs:
+                rows[start:stop].zero_()
+        else:
+            rows.index_fill_(0, slots, 0)
     _count(int(slots.numel()))
+
+
+def _runs(slots: torch.Tensor) -> list[tuple[int, int]]:
+    s = slots.sort().values
+    cuts = torch.nonzero(s[1:] != s[:-1] + 1).flatten() + 1
+    if cuts.numel() >= MAX_RUNS_AS_SLICES:
+        return [None] * (MAX_RUNS_AS_SLICES + 1)  # too fragmented: use the indexed fill
+    bounds = [0, *cuts.tolist(), s.numel()]
+    return [(int(s[a]), int(s[b - 1]) + 1) for a, b in zip(bounds, bounds[1:])]
+
+
+def _as_words(buf: torch.Tensor) -> torch.Tensor:
+    """Row view of `buf` as int64 words when its rows allow it (same bytes, wider stores)."""
+    if not buf.is_contiguous():
+        return buf
+    rows = buf.view(buf.shape[0], -1)
+    if (rows.shape[1] * rows.element_size()) % 8 == 0:
+        return rows.view(torch.int64)
+    return rows
 
 
 def _count(n: int) -> None:

@@ -82,13 +82,19 @@ def test_without_the_guard_a_reused_slot_holds_the_previous_owners_kv():
     assert torch.count_nonzero(pool.k_buffer[0][b]) > 0
 
 
-def test_zeroing_is_one_fill_per_layer_buffer_not_a_loop_per_slot(monkeypatch):
+def test_zeroing_is_batched_per_buffer_never_a_loop_per_slot(monkeypatch):
     pool, alloc = make(1)
     calls = []
-    real = torch.Tensor.index_fill_
-    monkeypatch.setattr(torch.Tensor, "index_fill_", lambda self, *a: calls.append(1) or real(self, *a))
-    kv_guard.zero_after_alloc(alloc.alloc(40), alloc, 40)
-    assert len(calls) == 2 * LAYERS
+    for name in ("index_fill_", "zero_"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real: calls.append(_n) or _r(self, *a))
+    kv_guard.zero_slots(pool, torch.arange(1, 41))  # one contiguous run: one slice fill per buffer
+    assert calls == ["zero_"] * (2 * LAYERS)
+    calls.clear()
+    kv_guard.zero_slots(pool, torch.arange(1, 61, 3))  # 20 runs: one indexed fill per buffer
+    assert calls == ["index_fill_"] * (2 * LAYERS)
+    for buf in kv_guard.layer_buffers(pool):
+        assert torch.count_nonzero(buf[torch.arange(1, 61, 3)]) == 0
 
 
 def test_unsupported_allocators_and_pools_are_refused():
