@@ -54,14 +54,16 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
         if limits is None:  # cannot happen after start-up (startup.py sets it); fail closed anyway
             raise ClientError("context_length_exceeded", "admission limits are not initialised; refusing")
         check_token_ids(input_ids, self.model_config.vocab_size)
-        if hasattr(obj, "bootstrap_host"):  # generation requests (embeddings carry no routing)
-            check_pd_routing(_role(), obj.bootstrap_host, obj.bootstrap_room)
         params = getattr(obj, "sampling_params", None)
         if not isinstance(params, dict):  # embedding requests: prompt bound only
             params = {}
         requested = params.get("max_new_tokens")
+        # Length before routing: a request too long for the deployment is answered as such on
+        # every role, whichever way it arrived.
         allowed = admission.check(limits, len(input_ids) if input_ids is not None else 0, requested,
                                   clip=os.environ.get(admission.CLIP_ENV) == "1")
+        if hasattr(obj, "bootstrap_host"):  # generation requests (embeddings carry no routing)
+            check_pd_routing(_role(), obj.bootstrap_host, obj.bootstrap_room)
     except ClientError as e:
         http_guard.reject(e, reason=e.code if e.code != "invalid_request_error" else f"invalid_{e.param}")
         raise
