@@ -141,13 +141,16 @@ class Topology:
     def capacities(self) -> list[Capacity]:
         """The declared capacity of every role that will hold a request."""
         roles = ["single"] if self.topology == "single" else ["prefill", "decode"]
-        return [
-            Capacity(role=r, context_length=self.model.context_length, kv_tokens=self.role_value(r, "kv_tokens"),
-                     page_size=self.role_value(r, "page_size") or 1,
-                     decode_reserve=(self.role_value(r, "decode_reserve") if self.role_value(r, "decode_reserve") is not None
-                                     else SGLANG_DEFAULT_DECODE_RESERVE) if r == "decode" else 0)
-            for r in roles if self.role_value(r, "kv_tokens")
-        ]
+        return [self._capacity(r) for r in roles if self.role_value(r, "kv_tokens")]
+
+    def _capacity(self, role: str) -> Capacity:
+        reserve = 0
+        if role == "decode":
+            reserve = self.role_value(role, "decode_reserve")
+            reserve = SGLANG_DEFAULT_DECODE_RESERVE if reserve is None else reserve
+        return Capacity(role=role, context_length=self.model.context_length,
+                        kv_tokens=self.role_value(role, "kv_tokens"),
+                        page_size=self.role_value(role, "page_size") or 1, decode_reserve=reserve)
 
     def admission_plan(self) -> tuple[int, Limits | None]:
         """(advertised context length, deployment limits) or ValueError naming the way out."""
