@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 from glm53_serving.errors import ClientError
+from glm53_serving.metrics import LazyCounter
 
 logger = logging.getLogger("glm53_serving")
 
@@ -34,20 +35,7 @@ class _Slot:
 
 
 _slot: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("glm53_request_slot", default=None)
-_rejections = None  # prometheus Counter, created on first use (after SGLang set up multiprocess mode)
-
-
-def _count(reason: str, endpoint: str) -> None:
-    global _rejections
-    try:
-        if _rejections is None:
-            from prometheus_client import Counter
-
-            _rejections = Counter("glm53_rejections", "Requests rejected by glm53_serving guards",
-                                  ["reason", "endpoint"])
-        _rejections.labels(reason=reason, endpoint=endpoint).inc()
-    except Exception:  # noqa: BLE001 - metrics must never turn a 4xx into a 500
-        logger.exception("glm53_serving: counting a rejection failed")
+REJECTIONS = LazyCounter("glm53_rejections", "Requests rejected by glm53_serving guards", ("reason", "endpoint"))
 
 
 def reject(error: ClientError, reason: str) -> None:
@@ -57,7 +45,7 @@ def reject(error: ClientError, reason: str) -> None:
     if slot is not None and slot.rejection is None:
         slot.rejection = error
     logger.info("glm53_serving rejected %s on %s: %s", reason, endpoint, error.message)
-    _count(reason, endpoint)
+    REJECTIONS.inc(reason=reason, endpoint=endpoint)
 
 
 class HardRejectMiddleware:

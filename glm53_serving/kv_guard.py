@@ -18,18 +18,16 @@ Still to come (see the KV-hygiene issue): owner tags and the per-read owner chec
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-logger = logging.getLogger("glm53_serving")
+from glm53_serving.metrics import LazyCounter
 
 # Exact types only: a subclass may allocate through paths these hooks do not see.
 SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
 # Pool layouts whose layer buffers are indexed by token slot on dim 0.
 SUPPORTED_POOLS = {"MHATokenToKVPool": ("k_buffer", "v_buffer"), "MLATokenToKVPool": ("kv_buffer",)}
 
-_zeroed = None  # prometheus Counter, created lazily in the scheduler process
+ZEROED = LazyCounter("glm53_kv_zeroed_slots", "KV slots zeroed before reuse")
 
 
 def layer_buffers(pool) -> list[torch.Tensor]:
@@ -62,7 +60,7 @@ def zero_slots(pool, slots: torch.Tensor) -> None:
                 rows[start:stop].zero_()
         else:
             rows.index_fill_(0, slots, 0)
-    _count(int(slots.numel()))
+    ZEROED.inc(int(slots.numel()))
 
 
 def _runs(slots: torch.Tensor) -> list[tuple[int, int]]:
@@ -82,18 +80,6 @@ def _as_words(buf: torch.Tensor) -> torch.Tensor:
     if (rows.shape[1] * rows.element_size()) % 8 == 0:
         return rows.view(torch.int64)
     return rows
-
-
-def _count(n: int) -> None:
-    global _zeroed
-    try:
-        if _zeroed is None:
-            from prometheus_client import Counter
-
-            _zeroed = Counter("glm53_kv_zeroed_slots", "KV slots zeroed before reuse")
-        _zeroed.inc(n)
-    except Exception:  # noqa: BLE001 - metrics must never break allocation
-        logger.exception("glm53_serving: counting zeroed slots failed")
 
 
 def zero_after_alloc(result, self, *args, **kwargs):

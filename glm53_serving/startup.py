@@ -18,6 +18,7 @@ The launcher adds a third check from outside: /server_info must report the plugi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -94,9 +95,7 @@ def scheduler_verified_info(result: dict, self) -> dict:
         problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
     if problems:
         raise _refuse("scheduler", problems)
-    result[STATUS_KEY] = {**plugin.status(), "capacity": {
-        "role": cap.role, "context_length": cap.context_length, "kv_tokens": cap.kv_tokens,
-        "page_size": cap.page_size, "decode_reserve": cap.decode_reserve}}
+    result[STATUS_KEY] = {**plugin.status(), "capacity": dataclasses.asdict(cap)}
     return result
 
 
