@@ -29,6 +29,14 @@ class Launched:
     def worker(self, name: str) -> str:
         return next(p["url"] for p in self.info["processes"] if p["name"] == name)
 
+    def client_headers(self, tenant: str = "demo") -> dict:
+        """What a client of this deployment sends: its tenant's API key (tenants issue)."""
+        return {}
+
+    def worker_headers(self, tenant: str = "demo") -> dict:
+        """What lets a test reach a worker directly as the gateway would: a signed tenant assertion."""
+        return {}
+
     def stop(self, sig=signal.SIGINT, timeout=60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
