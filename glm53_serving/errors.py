@@ -16,6 +16,7 @@ CONTRACT: dict[str, tuple[int, str]] = {
     "invalid_request_error": (400, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
     "invalid_api_key": (401, "invalid_request_error"),
+    "permission_denied": (403, "invalid_request_error"),
     "not_found": (404, "invalid_request_error"),
     "kv_isolation_violation": (500, "server_error"),
 }

@@ -82,6 +82,22 @@ HOOKS: tuple[Hook, ...] = (
         "vocabulary (upstream crashes), PD routing fields on PD roles (upstream decode crashes), "
         "and the deployment-wide length limit (upstream checks only context_len here)",
     ),
+    # --- tenants: owned sessions and requests (tenant_guard.py; route auth is its middleware) --
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.open_session", Kind.AROUND,
+        "glm53_serving.tenant_guard:open_session_hook", ("self", "obj", "request"),
+        "a session belongs to the tenant that opened it (upstream sessions have no owner)",
+    ),
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.close_session", Kind.BEFORE,
+        "glm53_serving.tenant_guard:close_session_hook", ("self", "obj", "request"),
+        "another tenant closing a session gets 404, as for a session that does not exist",
+    ),
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request", Kind.AROUND,
+        "glm53_serving.tenant_guard:abort_request_hook", ("self", "rid", "abort_all"),
+        "a tenant aborts only its own requests; abort_all is the operator's",
+    ),
     # --- KV hygiene: zero before reuse (kv_guard.py) ----------------------------------------
     Hook(
         "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc", Kind.AFTER,

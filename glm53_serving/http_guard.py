@@ -48,6 +48,11 @@ def reject(error: ClientError, reason: str) -> None:
     REJECTIONS.inc(reason=reason, endpoint=endpoint)
 
 
+def current_path() -> str | None:
+    slot = _slot.get()
+    return slot.path if slot else None
+
+
 class HardRejectMiddleware:
     def __init__(self, app):
         self.app = app
@@ -87,9 +92,13 @@ class HardRejectMiddleware:
 
 
 def install_middleware_hook(*args, **kwargs):
-    """BEFORE http_server.launch_server: add the middleware while the app can still take it."""
+    """BEFORE http_server.launch_server: add the middlewares while the app can still take them
+    (the tenant guard inside, so that its 401/403 are counted with the slot in place)."""
     from sglang.srt.entrypoints.http_server import app
 
+    from glm53_serving import tenant_guard
+
+    tenant_guard.install(app, kwargs.get("server_args", args[0] if args else None))
     if not any(m.cls is HardRejectMiddleware for m in app.user_middleware):
         app.add_middleware(HardRejectMiddleware)
     return None
@@ -98,4 +107,6 @@ def install_middleware_hook(*args, **kwargs):
 def installed() -> bool:
     from sglang.srt.entrypoints.http_server import app
 
-    return any(m.cls is HardRejectMiddleware for m in app.user_middleware)
+    from glm53_serving import tenant_guard
+
+    return any(m.cls is HardRejectMiddleware for m in app.user_middleware) and tenant_guard.installed(app)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from glm53_serving import admission, http_guard
+from glm53_serving import admission, http_guard, tenant_guard
 from glm53_serving.errors import ClientError
 
 
@@ -30,14 +30,46 @@ def check_token_ids(input_ids, vocab_size: int) -> None:
                           param="input_ids", details={"vocab_size": vocab_size})
 
 
-def check_pd_routing(role: str, bootstrap_host, bootstrap_room) -> None:
-    """A PD role serves only requests its router paired (bootstrap fields set); upstream crashes
-    the decode server on one without them."""
-    if role in ("prefill", "decode") and (bootstrap_host is None or bootstrap_room is None):
+TRUSTED_BOOTSTRAP_ENV = "GLM53_PREFILL_BOOTSTRAP"  # "host:port,..." of the deployment's prefill servers
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils: decode skips the transfer
+
+
+def trusted_bootstrap() -> frozenset[tuple[str, int]] | None:
+    raw = os.environ.get(TRUSTED_BOOTSTRAP_ENV)
+    if raw is None:
+        return None
+    return frozenset((h, int(p)) for h, _, p in (e.strip().rpartition(":") for e in raw.split(",") if e.strip()))
+
+
+def check_pd_routing(role: str, bootstrap_host, bootstrap_room, bootstrap_port=None, *, privileged: bool = False) -> None:
+    """A PD role serves only requests its own router paired: bootstrap fields set (upstream
+    crashes the decode server without them) and naming one of the deployment's prefill servers.
+    The fake bootstrap host (decode skips the transfer and decodes over pages nothing wrote) is
+    for the server's own health checks and the operator's KV-hygiene probe (`privileged`)."""
+    if role not in ("prefill", "decode"):
+        return
+    if bootstrap_host is None or bootstrap_room is None:
         raise ClientError("invalid_request_error",
                           f"This is a PD {role} server: it serves only requests routed by its deployment "
                           "(bootstrap_host and bootstrap_room missing). Send requests to the gateway.",
                           param="bootstrap_host")
+    if bootstrap_host == FAKE_BOOTSTRAP_HOST:
+        if not privileged:
+            raise ClientError("permission_denied", "The fake bootstrap host is reserved for the server's own "
+                              "health checks.", param="bootstrap_host")
+        return
+    trusted = trusted_bootstrap()
+    if trusted is None or (str(bootstrap_host), int(bootstrap_port or 0)) not in trusted:
+        raise ClientError("permission_denied", f"{bootstrap_host}:{bootstrap_port} is not a prefill server of this "
+                          "deployment.", param="bootstrap_host")
+
+
+def _privileged() -> bool:
+    """The worker's own health check, or the operator."""
+    p = tenant_guard.current()
+    if p is not None:
+        return p.is_admin
+    return http_guard.current_path() in ("/health", "/health_generate")
 
 
 def _role() -> str:
@@ -63,7 +95,9 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
         allowed = admission.check(limits, len(input_ids) if input_ids is not None else 0, requested,
                                   clip=os.environ.get(admission.CLIP_ENV) == "1")
         if hasattr(obj, "bootstrap_host"):  # generation requests (embeddings carry no routing)
-            check_pd_routing(_role(), obj.bootstrap_host, obj.bootstrap_room)
+            check_pd_routing(_role(), obj.bootstrap_host, obj.bootstrap_room, obj.bootstrap_port,
+                             privileged=_privileged())
+            tenant_guard.namespace_request(obj)
     except ClientError as e:
         http_guard.reject(e, reason=e.code if e.code != "invalid_request_error" else f"invalid_{e.param}")
         raise

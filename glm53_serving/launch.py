@@ -30,6 +30,8 @@ from typing import Callable
 import httpx
 import psutil
 
+from glm53_serving import tenants
+from glm53_serving.intake import TRUSTED_BOOTSTRAP_ENV
 from glm53_serving.topology import Topology, default_config_path, free_port, shell_line
 
 LOG_TAIL_LINES = 60
@@ -163,6 +165,9 @@ def server_probe(child: Child, client: httpx.Client) -> bool:
         )
     if not status.get("active"):
         say(f"WARNING: {child.name} runs with glm53_serving guards DISABLED ({status.get('disabled_by')})")
+    elif (status.get("tenants") == "enforced") != (tenants.KEY_FILE_ENV in child.env):
+        raise LaunchError(f"{child.name}: tenants {status.get('tenants')!r} on the server, but the deployment "
+                          f"{'has' if tenants.KEY_FILE_ENV in child.env else 'has no'} tenants. Refusing to serve.")
     return True
 
 
@@ -183,10 +188,11 @@ def gateway_probe(child: Child, client: httpx.Client) -> bool:
     return _get_ok(child, client, "/health", timeout=30) is not None
 
 
-def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client], bool]], t0: float, timeout_s: float) -> None:
+def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client], bool]], t0: float, timeout_s: float,
+               headers: dict[str, str] | None = None) -> None:
     by_name = {c.name: c for c in sup.children}
     last_progress = time.monotonic()
-    with httpx.Client() as client:
+    with httpx.Client(headers=headers) as client:
         while pending:
             sup.check_alive()
             for name in list(pending):
@@ -206,9 +212,9 @@ def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client
             time.sleep(0.5)
 
 
-def smoke_generate(client_url: str) -> list[int]:
+def smoke_generate(client_url: str, headers: dict[str, str]) -> list[int]:
     """One real greedy generation through the client URL."""
-    r = httpx.post(f"{client_url}/generate", timeout=120, json={
+    r = httpx.post(f"{client_url}/generate", timeout=120, headers=headers, json={
         "text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
     if r.status_code != 200 or len(r.json().get("output_ids", [])) != 4:
         raise LaunchError(f"smoke generation through {client_url} failed: HTTP {r.status_code} {r.text[:500]}")
@@ -229,6 +235,49 @@ def resolve_model_path(topo: Topology) -> str:
 
 
 @dataclass(slots=True)
+class Tenancy:
+    """The deployment's tenants: the assertion key every process shares, the gateway's tenants
+    file, and (demo mode) the demo tenants' keys, also kept in the run dir (0600) for scripts."""
+
+    key_file: Path | None = None
+    tenants_file: Path | None = None
+    demo_keys: dict[str, str] = field(default_factory=dict)
+
+    DEMO_TENANTS = ("demo", "demo-b")
+
+    @classmethod
+    def prepare(cls, topo: Topology, run_dir: Path, create: bool = True) -> "Tenancy":
+        conf = topo.tenants
+        if conf.mode == "off":
+            return cls()
+        base = Path(topo.source).parent if topo.source != "<inline>" else Path.cwd()
+        key_file = (base / conf.assertion_key_file) if conf.assertion_key_file else run_dir / "assertion.key"
+        tenants_file = (base / conf.file) if conf.mode == "file" else run_dir / "tenants.toml"
+        out = cls(key_file, tenants_file)
+        if not create:
+            return out
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not conf.assertion_key_file:
+            tenants.new_assertion_key(key_file)
+        tenants.load_assertion_key(key_file)  # exists and is long enough, before anything starts
+        if conf.mode == "demo":
+            out.demo_keys = {t: tenants.add_tenant(tenants_file, t) for t in cls.DEMO_TENANTS}
+            fd = os.open(run_dir / "demo-keys.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(out.demo_keys, f)
+        tenants.TenantsFile.load(tenants_file)
+        return out
+
+    def env(self) -> dict[str, str]:
+        return {} if self.key_file is None else {tenants.KEY_FILE_ENV: str(self.key_file)}
+
+    def admin_headers(self) -> dict[str, str]:
+        if self.key_file is None:
+            return {}
+        return {"Authorization": "Bearer " + tenants.mint(tenants.load_assertion_key(self.key_file), tenants.ADMIN)}
+
+
+@dataclass(slots=True)
 class Plan:
     servers: list[Child]
     router: Child | None  # PD only
@@ -238,14 +287,14 @@ class Plan:
         return [*self.servers, *([self.router] if self.router else []), self.gateway]
 
 
-def plan(topo: Topology, model_path: str, run_dir: Path) -> Plan:
+def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Plan:
     """Every child of the topology, with fresh ports."""
-    env = topo.process_env()
+    env = {**topo.process_env(), **tenancy.env()}
     h = topo.host
 
-    def child(name: str, argv_for_port) -> Child:
+    def child(name: str, argv_for_port, extra_env: dict[str, str] | None = None) -> Child:
         port = free_port(h)
-        return Child(name, argv_for_port(port), env, f"http://{h}:{port}", run_dir / f"{name}.log")
+        return Child(name, argv_for_port(port), {**env, **(extra_env or {})}, f"http://{h}:{port}", run_dir / f"{name}.log")
 
     if topo.topology == "single":
         servers = [child("server", lambda port: topo.server_argv(model_path, port, "single"))]
@@ -253,33 +302,43 @@ def plan(topo: Topology, model_path: str, run_dir: Path) -> Plan:
         upstream = servers[0].url
     else:
         boots = [free_port(h) for _ in range(topo.prefill.count)]
-        prefills = [child(f"prefill-{i}", lambda port, b=b: topo.server_argv(model_path, port, "prefill", b))
+        # Prefill and decode accept handoffs naming these bootstrap endpoints only (intake.py).
+        trusted = {TRUSTED_BOOTSTRAP_ENV: ",".join(f"{h}:{b}" for b in boots)}
+        prefills = [child(f"prefill-{i}", lambda port, b=b: topo.server_argv(model_path, port, "prefill", b), trusted)
                     for i, b in enumerate(boots)]
-        decodes = [child(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"))
+        decodes = [child(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"), trusted)
                    for i in range(topo.decode.count)]
         servers = [*prefills, *decodes]
         router = child("router", lambda port: topo.router_argv(
             port, free_port(h), [(p.url, b) for p, b in zip(prefills, boots)], [d.url for d in decodes]))
         upstream = router.url
-    gateway = child("gateway", lambda port: topo.gateway_argv(upstream, model_path, port))
+    gateway = child("gateway", lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file))
     return Plan(servers, router, gateway)
 
 
 def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
     t0 = time.monotonic()
     model_path = resolve_model_path(topo)
-    p = plan(topo, model_path, run_dir)
+    tenancy = Tenancy.prepare(topo, run_dir)
+    if topo.tenants.mode == "off":
+        say("WARNING: tenants are OFF ([tenants] mode = \"off\"): every client shares one trust domain")
+    p = plan(topo, model_path, run_dir, tenancy)
     say(f"{topo.topology} topology from {topo.source}; run dir {run_dir}")
+    admin = tenancy.admin_headers()
     for s in p.servers:
         sup.start(s)
-    wait_ready(sup, {s.name: server_probe for s in p.servers}, t0, topo.ready_timeout_s)
+    wait_ready(sup, {s.name: server_probe for s in p.servers}, t0, topo.ready_timeout_s, admin)
     if p.router is not None:
         sup.start(p.router)
         wait_ready(sup, {p.router.name: router_probe(len(p.servers))}, t0, topo.ready_timeout_s)
     sup.start(p.gateway)
     wait_ready(sup, {p.gateway.name: gateway_probe}, t0, topo.ready_timeout_s)
     client_url = p.gateway.url
-    smoke_generate(client_url)
+    if tenancy.key_file is None or tenancy.demo_keys:  # through the front door, as a client would
+        key = next(iter(tenancy.demo_keys.values()), None)
+        smoke_generate(client_url, {"Authorization": f"Bearer {key}"} if key else {})
+    else:  # the operator's tenants file: we hold no tenant key; the upstream takes the admin's assertion
+        smoke_generate(p.router.url if p.router else p.servers[0].url, admin)
     ready_s = time.monotonic() - t0
     info = {
         "client_url": client_url,
@@ -289,18 +348,23 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
         "launcher_pid": os.getpid(),
         "processes": [{"name": c.name, "pid": c.proc.pid, "url": c.url, "log": str(c.log)} for c in sup.children],
         "all_pids": sup.pids(),
+        "tenants": {"mode": topo.tenants.mode, "file": str(tenancy.tenants_file) if tenancy.tenants_file else None,
+                    "assertion_key_file": str(tenancy.key_file) if tenancy.key_file else None,
+                    "demo_keys_file": str(run_dir / "demo-keys.json") if tenancy.demo_keys else None},
     }
     (run_dir / "ready.json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    return {**info, "demo_key": tenancy.demo_keys.get("demo")}
 
 
 def print_ready(info: dict) -> None:
-    url, model = info["client_url"], info["model"]
+    url, model, key = info["client_url"], info["model"], info.pop("demo_key", None)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
+    auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+    keys = (f"  demo tenant key (also in {info['tenants']['demo_keys_file']}): {key}\n" if key else "")
     print(
         f"\nready in {info['ready_s']} s ({info['topology']})\n"
-        f"  client URL: {url}\n"
-        f"  try:  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"  client URL: {url}\n{keys}"
+        f"  try:  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
         f"  Ctrl-C stops every process.\n",
         flush=True,
     )
@@ -333,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path("runs") / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{topo.topology}"
     run_dir = run_dir.resolve()
     if args.dry_run:
-        p = plan(topo, topo.model.path or f"<{topo.model.preset}>", run_dir)
+        p = plan(topo, topo.model.path or f"<{topo.model.preset}>", run_dir, Tenancy.prepare(topo, run_dir, create=False))
         for c in p.all():
             print(f"# {c.name}\n{shell_line(c.argv, c.env)}")
         print(f"# client URL: {p.gateway.url}")

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import os
 
-from glm53_serving import admission, http_guard, kv_guard, plugin
+from glm53_serving import admission, http_guard, intake, kv_guard, plugin, tenant_guard
 from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
@@ -111,12 +111,16 @@ def require_verified_schedulers(infos: list, scheduler_pipe_readers=None, schedu
     if plugin.guards_active() and not problems:
         if not http_guard.installed():
             problems.append("the hard-4xx middleware is not installed on the HTTP app")
+        if any(c.role != "single" for c in caps) and intake.trusted_bootstrap() is None:
+            problems.append(f"a PD server needs its deployment's prefill bootstrap endpoints in "
+                            f"{intake.TRUSTED_BOOTSTRAP_ENV} (the launcher sets it) to refuse foreign handoffs")
         limits = Limits.from_env() or Limits.of(caps)
         admission.set_limits(limits)
         for info in infos:
             info[STATUS_KEY]["limits"] = {"max_input_tokens": limits.max_input_tokens,
                                           "max_total_tokens": limits.max_total_tokens,
                                           "clip_output": os.environ.get(admission.CLIP_ENV) == "1"}
+            info[STATUS_KEY]["tenants"] = "enforced" if tenant_guard.enforced() else "off"
     if problems:
         raise _refuse("http/tokenizer", problems)
     return infos

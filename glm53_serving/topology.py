@@ -76,6 +76,21 @@ class AdmissionConf:
 
 
 @dataclass(slots=True)
+class TenantsConf:
+    # "demo": the launcher writes a tenants file with two demo tenants into the run dir and prints
+    # their keys; "file": the operator's tenants file (python -m glm53_serving.tenants add);
+    # "off": no authentication, one trust domain (refused unless chosen explicitly).
+    mode: Literal["demo", "file", "off"] = "demo"
+    file: str | None = None  # mode "file"; relative paths are relative to the topology file
+    # The key that signs the gateway's tenant assertions to workers; default: a new one per run.
+    assertion_key_file: str | None = None
+
+    def __post_init__(self):
+        assert self.mode in ("demo", "file", "off"), f"tenants.mode must be demo, file or off, not {self.mode!r}"
+        assert (self.mode == "file") == (self.file is not None), "tenants: set file exactly when mode = \"file\""
+
+
+@dataclass(slots=True)
 class RouterConf:
     policy: str = "round_robin"
     args: list[str] = field(default_factory=list)
@@ -94,6 +109,7 @@ class Topology:
     router: RouterConf = field(default_factory=RouterConf)
     admission: AdmissionConf = field(default_factory=AdmissionConf)
     gateway: GatewayConf = field(default_factory=GatewayConf)
+    tenants: TenantsConf = field(default_factory=TenantsConf)
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 600.0
     source: str = "<inline>"
@@ -126,6 +142,7 @@ class Topology:
                 router=RouterConf(**raw.pop("router", {})),
                 admission=AdmissionConf(**raw.pop("admission", {})),
                 gateway=GatewayConf(**raw.pop("gateway", {})),
+                tenants=TenantsConf(**raw.pop("tenants", {})),
                 source=str(path),
                 **raw,
             )
@@ -204,6 +221,10 @@ class Topology:
             argv += ["--dtype", m.dtype]
         if self.device == "cpu":
             argv += list(cpu.SERVER_ARGS)
+        if self.tenants.mode != "off" and "--skip-server-warmup" not in self.worker.args:
+            # Upstream's warm-up posts to /generate without credentials (and with the fake
+            # bootstrap host in PD); both are refused here. The launcher's smoke request warms up.
+            argv += ["--skip-server-warmup"]
         argv += self.worker.args
         if role == "prefill":
             argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", self.transfer_backend,
@@ -231,7 +252,7 @@ class Topology:
             argv += ["--decode", url]
         return argv + self.router.args
 
-    def gateway_argv(self, upstream: str, model_path: str, port: int) -> list[str]:
+    def gateway_argv(self, upstream: str, model_path: str, port: int, tenants_file: Path | None = None) -> list[str]:
         ctx, _ = self.admission_plan()
         return [
             sys.executable, "-m", "glm53_serving.gateway", "--upstream", upstream,
@@ -239,7 +260,7 @@ class Topology:
             "--context-length", str(ctx), "--host", self.host, "--port", str(port),
             "--max-body-bytes", str(self.gateway.max_body_bytes),
             "--upstream-timeout-s", str(self.gateway.upstream_timeout_s),
-        ]
+        ] + ([] if tenants_file is None else ["--tenants-file", str(tenants_file)])
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import uvicorn
 
+from glm53_serving import tenants
 from glm53_serving.admission import Limits
 from glm53_serving.gateway.app import GatewayConfig, build_app
 
@@ -20,13 +22,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument("--upstream-timeout-s", type=float, default=600.0)
+    p.add_argument("--tenants-file", type=Path, default=None,
+                   help=f"API key hashes -> tenants; needs ${tenants.KEY_FILE_ENV}. Without it: no authentication")
     a = p.parse_args(argv)
     limits = Limits.from_env()
     if limits is None:
         p.error("GLM53_DEPLOYMENT_LIMITS is not set: the gateway enforces the deployment's limit and needs it")
+    key = tenants.load_assertion_key()
+    if (a.tenants_file is None) != (key is None):
+        p.error(f"--tenants-file and ${tenants.KEY_FILE_ENV} go together (tenants on), or neither (off)")
     cfg = GatewayConfig(upstream=a.upstream, model_path=a.model_path, served_model_name=a.served_model_name,
                         context_length=a.context_length, limits=limits, max_body_bytes=a.max_body_bytes,
-                        upstream_timeout_s=a.upstream_timeout_s)
+                        upstream_timeout_s=a.upstream_timeout_s,
+                        tenants=tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None,
+                        assertion_key=key)
     uvicorn.run(build_app(cfg), host=a.host, port=a.port, log_level="warning", access_log=False)
 
 

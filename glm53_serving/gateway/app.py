@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from glm53_serving import tenants
 from glm53_serving.admission import Limits, check
 from glm53_serving.errors import ClientError
 from glm53_serving.gateway.tokens import PromptCounter, Uncountable
@@ -22,8 +24,20 @@ from glm53_serving.gateway.tokens import PromptCounter, Uncountable
 logger = logging.getLogger("glm53_serving.gateway")
 
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
-# Hop-by-hop and length headers are the transport's business, not the client's.
-_DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
+# A tenant's own objects: forwarded with its assertion; the worker checks ownership (tenant_guard).
+# (sglang-router does not route sessions: in PD these answer the router's 404.)
+TENANT_OBJECTS = ("/open_session", "/close_session", "/abort_request")
+AFFINITY_HEADER = "x-session-affinity"  # what agent clients send (the incident's provider asked for it)
+ROUTING_KEY_HEADER = "x-smg-routing-key"  # what sglang-router's manual policy routes on
+# Hop-by-hop and length headers are the transport's business; the client's credential and any
+# routing key it names are replaced by ours.
+_DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding",
+                         "authorization", AFFINITY_HEADER, ROUTING_KEY_HEADER}
+UNAUTHENTICATED = "-"
+# Body fields only the deployment sets: the PD handoff (a fake or foreign bootstrap host makes
+# decode read pages nothing wrote) and the data-parallel placement.
+DEPLOYMENT_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+                     "routed_dp_rank", "disagg_prefill_dp_rank")  # the tenant label of requests refused before a tenant was known
 _PASS_RESPONSE_HEADERS = {"content-type", "cache-control"}
 
 
@@ -37,14 +51,22 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    tenants: tenants.TenantsFile | None = None  # None: tenants off (one trust domain)
+    assertion_key: bytes | None = None  # signs the tenant assertions workers verify
 
     def __post_init__(self):
         assert self.upstream.startswith("http"), self.upstream
+        assert (self.tenants is None) == (self.assertion_key is None), "tenants need the assertion key, and back"
         assert self.max_body_bytes > 0 and self.upstream_timeout_s > 0 and self.connect_timeout_s > 0
 
 
 def error_response(status: int, body: dict) -> JSONResponse:
     return JSONResponse(body, status_code=status)
+
+
+def routing_key(tenant: str, affinity: str) -> str:
+    """The router's key for a client's session: scoped by tenant, so two tenants' ids never meet."""
+    return hashlib.sha256(f"{tenant}\0{affinity}".encode()).hexdigest()[:32]
 
 
 class Gateway:
@@ -58,7 +80,17 @@ class Gateway:
         )
         self.registry = CollectorRegistry()
         self.requests = Counter("glm53_gateway_requests", "Requests answered by the gateway",
-                                ["endpoint", "status", "reason"], registry=self.registry)
+                                ["tenant", "endpoint", "status", "reason"], registry=self.registry)
+        self.assertions = tenants.AssertionCache(cfg.assertion_key) if cfg.assertion_key else None
+
+    def authenticate(self, request: Request) -> str:
+        """The request's tenant; ClientError(invalid_api_key) before anything is read or forwarded."""
+        if self.cfg.tenants is None:
+            return ""
+        tenant = self.cfg.tenants.tenant_of(request.headers.get("authorization"))
+        if tenant is None:
+            raise ClientError("invalid_api_key", "Missing or unknown API key. Send 'Authorization: Bearer <key>'.")
+        return tenant
 
     # --- body ---------------------------------------------------------------------------------
 
@@ -82,7 +114,9 @@ class Gateway:
 
     async def generation(self, request: Request) -> Response:
         endpoint = request.url.path
+        tenant = UNAUTHENTICATED
         try:
+            tenant = self.authenticate(request)
             raw = await self.read_body(request)
             try:
                 body = json.loads(raw)
@@ -90,6 +124,10 @@ class Gateway:
                 raise ClientError("invalid_request_error", f"The request body is not valid JSON: {e}")
             if not isinstance(body, dict):
                 raise ClientError("invalid_request_error", "The request body must be a JSON object.")
+            for name in DEPLOYMENT_FIELDS:
+                if name in body:
+                    raise ClientError("invalid_request_error", f"{name} is set by the deployment, not by clients.",
+                                      param=name)
             try:
                 prompt, max_new = self.counter.count(endpoint, body)
             except Uncountable:
@@ -97,33 +135,64 @@ class Gateway:
             if prompt is not None:
                 check(self.cfg.limits, prompt, max_new)
         except ClientError as e:
-            return self._answer(endpoint, e.status, e.body(), reason=e.code)
+            return self._answer(tenant, endpoint, e.status, e.body(), reason=e.code)
         except ClientDisconnect:
             return Response(status_code=499)
-        return await self.forward(request, endpoint, raw)
+        return await self.forward(request, tenant, endpoint, raw)
 
-    async def forward(self, request: Request, endpoint: str, raw: bytes) -> Response:
+    async def tenant_object(self, request: Request) -> Response:
+        endpoint = request.url.path
+        tenant = UNAUTHENTICATED
+        try:
+            tenant = self.authenticate(request)
+            raw = await self.read_body(request)
+        except ClientError as e:
+            return self._answer(tenant, endpoint, e.status, e.body(), reason=e.code)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return await self.forward(request, tenant, endpoint, raw)
+
+    def upstream_headers(self, request: Request, tenant: str) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
+        if self.assertions is not None:
+            headers["authorization"] = self.assertions.header(tenant)
+        affinity = request.headers.get(AFFINITY_HEADER)
+        if affinity:
+            headers[ROUTING_KEY_HEADER] = routing_key(tenant, affinity)
+        return headers
+
+    async def forward(self, request: Request, tenant: str, endpoint: str, raw: bytes) -> Response:
+        headers = self.upstream_headers(request, tenant)
         upstream_req = self.client.build_request(request.method, endpoint, headers=headers, content=raw,
                                                  params=request.query_params)
         try:
             upstream = await self.client.send(upstream_req, stream=True)
         except httpx.TimeoutException:
-            return self._answer(endpoint, 504, _server_error("The model server did not answer in time.", "upstream_timeout"),
-                                reason="upstream_timeout")
+            return self._answer(tenant, endpoint, 504, _server_error("The model server did not answer in time.",
+                                                                     "upstream_timeout"), reason="upstream_timeout")
         except httpx.HTTPError as e:
-            return self._answer(endpoint, 502, _server_error(f"The model server is unreachable: {type(e).__name__}.",
+            return self._answer(tenant, endpoint, 502, _server_error(f"The model server is unreachable: {type(e).__name__}.",
                                                              "upstream_unavailable"), reason="upstream_unavailable")
         if upstream.status_code >= 400:
-            return await self._honest_error(endpoint, upstream)
-        self.requests.labels(endpoint=endpoint, status=str(upstream.status_code), reason="").inc()
+            return await self._honest_error(tenant, endpoint, upstream)
+        self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(upstream.status_code), reason="").inc()
+
+        async def chunks():
+            # Closing the upstream response when the client goes away (the generator is closed
+            # or cancelled) closes the connection, and the router and worker abort the request.
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
         return StreamingResponse(
-            upstream.aiter_raw(), status_code=upstream.status_code,
+            chunks(), status_code=upstream.status_code,
             headers={k: v for k, v in upstream.headers.items() if k.lower() in _PASS_RESPONSE_HEADERS},
             background=BackgroundTask(upstream.aclose),
         )
 
-    async def _honest_error(self, endpoint: str, upstream: httpx.Response) -> Response:
+    async def _honest_error(self, tenant: str, endpoint: str, upstream: httpx.Response) -> Response:
         """Pass a valid OpenAI-shaped error through; anything else (the router's cut or rewritten
         PD bodies) becomes a valid JSON body with the upstream's status."""
         status = upstream.status_code
@@ -134,17 +203,17 @@ class Gateway:
         try:
             body = json.loads(raw)
             if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
-                return self._answer(endpoint, status, body, reason=str(body["error"].get("code") or "upstream"))
+                return self._answer(tenant, endpoint, status, body, reason=str(body["error"].get("code") or "upstream"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             pass
         text = raw.decode(errors="replace")[:500]
-        return self._answer(endpoint, status, {"error": {
+        return self._answer(tenant, endpoint, status, {"error": {
             "message": f"The model server answered {status}: {text}",
             "type": "invalid_request_error" if status < 500 else "server_error",
             "param": None, "code": "upstream_error"}}, reason="upstream_error")
 
-    def _answer(self, endpoint: str, status: int, body: dict, reason: str) -> JSONResponse:
-        self.requests.labels(endpoint=endpoint, status=str(status), reason=reason).inc()
+    def _answer(self, tenant: str, endpoint: str, status: int, body: dict, reason: str) -> JSONResponse:
+        self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(status), reason=reason).inc()
         return error_response(status, body)
 
     async def models(self, request: Request) -> Response:
@@ -168,6 +237,7 @@ class Gateway:
 def build_app(cfg: GatewayConfig) -> Starlette:
     gw = Gateway(cfg)
     routes = [Route(p, gw.generation, methods=["POST"]) for p in GENERATION]
+    routes += [Route(p, gw.tenant_object, methods=["POST"]) for p in TENANT_OBJECTS]
     routes += [
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from glm53_serving import tenants
+
 READY_TIMEOUT_S = float(os.environ.get("GLM53_TEST_READY_TIMEOUT", "400"))
 
 
@@ -30,12 +32,19 @@ class Launched:
         return next(p["url"] for p in self.info["processes"] if p["name"] == name)
 
     def client_headers(self, tenant: str = "demo") -> dict:
-        """What a client of this deployment sends: its tenant's API key (tenants issue)."""
-        return {}
+        """What a client of this deployment sends: its tenant's API key (demo tenants: demo, demo-b)."""
+        keys_file = self.info["tenants"]["demo_keys_file"]
+        if keys_file is None:
+            return {}
+        return {"Authorization": f"Bearer {json.loads(Path(keys_file).read_text())[tenant]}"}
 
     def worker_headers(self, tenant: str = "demo") -> dict:
-        """What lets a test reach a worker directly as the gateway would: a signed tenant assertion."""
-        return {}
+        """What lets a test reach a worker directly as the gateway would: a signed assertion for
+        `tenant` ("admin": the operator's)."""
+        key_file = self.info["tenants"]["assertion_key_file"]
+        if key_file is None:
+            return {}
+        return {"Authorization": f"Bearer {tenants.mint(tenants.load_assertion_key(key_file), tenant)}"}
 
     def stop(self, sig=signal.SIGINT, timeout=60) -> int:
         if self.proc.poll() is None:
@@ -68,7 +77,24 @@ def launch(run_dir: Path, *args: str, env: dict | None = None) -> Launched:
             proc.wait(60)
             raise RuntimeError(f"not ready after {READY_TIMEOUT_S} s:\n{launcher_output(run_dir)[-5000:]}")
         time.sleep(0.5)
-    return Launched(proc, run_dir, json.loads(ready.read_text()))
+    run = Launched(proc, run_dir, json.loads(ready.read_text()))
+    _LAUNCHED.append(run)
+    return run
+
+
+_LAUNCHED: list[Launched] = []
+
+
+def auth(url: str, tenant: str = "demo") -> dict:
+    """Credentials for a request to `url` of any deployment this test session launched: the
+    tenant's API key at a client URL, the gateway's signed assertion for that tenant at a worker
+    or router (the router forwards Authorization). Tenant "admin": the operator's assertion."""
+    for run in _LAUNCHED:
+        if url.startswith(run.url) and tenant != "admin":
+            return run.client_headers(tenant)
+        if any(url.startswith(p["url"]) for p in run.info["processes"]):
+            return run.worker_headers(tenant)
+    raise AssertionError(f"{url} belongs to no deployment launched by these tests")
 
 
 def alive(pids: list[int]) -> list[int]:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from glm53_serving.topology import REPO_LAUNCH_DIR, Topology, free_port
-from tests.e2e.launcher import alive, launch
+from tests.e2e.launcher import alive, auth, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def worker_urls(single, pd):
 def test_over_length_is_a_contract_400_before_any_token(single, pd, where, endpoint, stream):
     url = worker_urls(single, pd)[where]
     before_tokens, before_rej = generated_tokens(url), metric(url, "glm53_rejections_total", endpoint=endpoint)
-    r = httpx.post(f"{url}{endpoint}", json=over_length(endpoint, stream), timeout=30)
+    r = httpx.post(f"{url}{endpoint}", json=over_length(endpoint, stream), timeout=30, headers=auth(url))
     assert_contract_400(r)
     assert metric(url, "glm53_rejections_total", endpoint=endpoint, reason="context_length_exceeded") == before_rej + 1
     assert generated_tokens(url) == before_tokens  # the scheduler never ran it
@@ -82,7 +82,8 @@ def test_over_length_straight_to_the_router_is_a_fast_4xx_and_nothing_runs(pd, e
     # the status holds, it is fast, and neither worker generates anything.
     workers = [pd.worker("prefill-0"), pd.worker("decode-0")]
     before = [generated_tokens(w) for w in workers]
-    r = httpx.post(f"{pd.worker('router')}{endpoint}", json=over_length(endpoint, stream), timeout=30)
+    r = httpx.post(f"{pd.worker('router')}{endpoint}", json=over_length(endpoint, stream), timeout=30,
+                   headers=auth(pd.worker("router")))
     assert r.status_code == 400
     assert "prompts of at most 505 tokens" in r.text
     assert [generated_tokens(w) for w in workers] == before
@@ -95,7 +96,7 @@ def test_over_length_at_the_client_endpoint_is_the_contract_400(single, pd, topo
     run = single if topology == "single" else pd
     workers = [single.worker("server")] if topology == "single" else [pd.worker("prefill-0"), pd.worker("decode-0")]
     before = [metric(w, "glm53_rejections_total") for w in workers]
-    r = httpx.post(f"{run.url}{endpoint}", json=over_length(endpoint, stream), timeout=30)
+    r = httpx.post(f"{run.url}{endpoint}", json=over_length(endpoint, stream), timeout=30, headers=auth(run.url))
     assert_contract_400(r)
     # The gateway rejected it: no worker (nor the router) saw the request.
     assert [metric(w, "glm53_rejections_total") for w in workers] == before
@@ -105,9 +106,9 @@ def test_over_length_at_the_client_endpoint_is_the_contract_400(single, pd, topo
 @pytest.mark.parametrize("where", ["single", "pd"])
 def test_exactly_at_the_limit_rejected_one_below_served(single, pd, where):
     url = single.url if where == "single" else pd.url
-    r = httpx.post(f"{url}/generate", json=over_length("/generate", False, n_prompt=P), timeout=30)
+    r = httpx.post(f"{url}/generate", json=over_length("/generate", False, n_prompt=P), timeout=30, headers=auth(url))
     assert r.status_code == 400 and "the prompt has 506" in r.text
-    ok = httpx.post(f"{url}/generate", timeout=120, json={
+    ok = httpx.post(f"{url}/generate", timeout=120, headers=auth(url), json={
         "input_ids": [5] * (P - 1), "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["output_ids"]) == 4 and ok.json()["meta_info"]["prompt_tokens"] == P - 1
@@ -116,14 +117,14 @@ def test_exactly_at_the_limit_rejected_one_below_served(single, pd, where):
 @pytest.mark.parametrize("where", ["single", "prefill", "decode"])
 def test_prompt_plus_max_tokens_over_the_budget_is_400_not_silent_clipping(single, pd, where):
     url = worker_urls(single, pd)[where]
-    r = httpx.post(f"{url}/generate", timeout=30, json={
+    r = httpx.post(f"{url}/generate", timeout=30, headers=auth(url), json={
         "input_ids": [5] * 100, "sampling_params": {"max_new_tokens": T - 100 + 1, "ignore_eos": True}})
     err = assert_contract_400(r, prompt_at_least=0)
     assert err["param"] == "max_tokens" and err["max_new_tokens"] == T - 99
 
 
 def test_prompt_plus_max_tokens_at_the_budget_is_served_in_full(single):
-    r = httpx.post(f"{single.url}/generate", timeout=300, json={
+    r = httpx.post(f"{single.url}/generate", timeout=300, headers=auth(single.url), json={
         "input_ids": [5] * 10, "sampling_params": {"max_new_tokens": T - 10, "temperature": 0, "ignore_eos": True}})
     assert r.status_code == 200
     assert r.json()["meta_info"]["completion_tokens"] == T - 10  # not clipped
@@ -156,10 +157,11 @@ def test_asymmetric_pools_reject_in_under_a_second_and_serve_below(tmp_path, pre
         for n in (limits.max_input_tokens, limits.max_input_tokens + 5):
             for stream in (False, True):
                 t0 = time.monotonic()
-                r = httpx.post(f"{run.url}/generate", json=over_length("/generate", stream, n_prompt=n), timeout=30)
+                r = httpx.post(f"{run.url}/generate", json=over_length("/generate", stream, n_prompt=n), timeout=30,
+                               headers=auth(run.url))
                 assert time.monotonic() - t0 < 1.0 and r.status_code == 400, r.text
                 assert f"prompts of at most {limits.max_input_tokens - 1} tokens" in r.text
-        ok = httpx.post(f"{run.url}/generate", timeout=120, json={
+        ok = httpx.post(f"{run.url}/generate", timeout=120, headers=auth(run.url), json={
             "input_ids": [5] * (limits.max_input_tokens - 1), "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
     finally:

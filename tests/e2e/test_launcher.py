@@ -55,7 +55,8 @@ def test_missing_hook_stops_the_server_from_starting(tmp_path, target):
 def test_disabled_guards_are_announced(tmp_path):
     run = launch(tmp_path, "--topology", "single", env={"GLM53_SERVING_DISABLE": "1"})
     try:
-        status = httpx.get(f"{run.worker('server')}/server_info", timeout=30).json()["glm53_serving"]
+        status = httpx.get(f"{run.worker('server')}/server_info", timeout=30,
+                           headers=run.worker_headers("admin")).json()["glm53_serving"]
         assert status == {**status, "active": False, "disabled_by": "GLM53_SERVING_DISABLE=1"}
         assert "guards are DISABLED" in (tmp_path / "server.log").read_text(errors="replace")
         assert "guards DISABLED" in launcher_output(tmp_path)

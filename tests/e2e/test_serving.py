@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from glm53_serving.models import tiny
+from tests.e2e.launcher import auth
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +40,7 @@ def hf_greedy():
 
 
 def generate_ids(url, ids, n=N_NEW):
-    r = httpx.post(f"{url}/generate", timeout=120, json={
+    r = httpx.post(f"{url}/generate", timeout=120, headers=auth(url), json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -48,7 +49,7 @@ def generate_ids(url, ids, n=N_NEW):
 
 
 def chat(url, stream, content="Write a function that sorts a list.", max_tokens=12):
-    return httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+    return httpx.post(f"{url}/v1/chat/completions", timeout=120, headers=auth(url), json={
         "model": "glm53-tiny", "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream})
 
@@ -70,7 +71,7 @@ def test_pd_decode_output_equals_single_server_output(single, pd):
 
 
 def test_generate_text(topo):
-    r = httpx.post(f"{topo.url}/generate", timeout=120, json={
+    r = httpx.post(f"{topo.url}/generate", timeout=120, headers=auth(topo.url), json={
         "text": "Hello world", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
     assert r.status_code == 200
     body = r.json()
@@ -99,7 +100,7 @@ def test_chat_stream_equals_non_stream(topo):
 
 
 def test_completions(topo):
-    r = httpx.post(f"{topo.url}/v1/completions", timeout=120, json={
+    r = httpx.post(f"{topo.url}/v1/completions", timeout=120, headers=auth(topo.url), json={
         "model": "glm53-tiny", "prompt": "def main():", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] and r.json()["usage"]["completion_tokens"] == 8
@@ -119,6 +120,6 @@ def test_single_models_reports_context_length(single):
 
 def test_every_worker_reports_the_plugin_active(single, pd):
     for url in [single.worker("server"), pd.worker("prefill-0"), pd.worker("decode-0")]:
-        status = httpx.get(f"{url}/server_info", timeout=30).json()["glm53_serving"]
-        assert status["active"] is True and status["disabled_by"] is None
+        status = httpx.get(f"{url}/server_info", timeout=30, headers=auth(url, "admin")).json()["glm53_serving"]
+        assert status["active"] is True and status["disabled_by"] is None and status["tenants"] == "enforced"
         assert "sglang.srt.managers.scheduler.Scheduler.get_init_info" in status["hooks"]

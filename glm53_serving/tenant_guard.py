@@ -1,0 +1,254 @@
+"""Worker side of tenancy: every route is classified, every request carries a verified principal,
+and a tenant sees only its own namespace, sessions and requests.
+
+Invariants (when the deployment has tenants, i.e. the launcher gave this worker the assertion key):
+- A request reaches a handler only if its route is OPEN (health, metrics, model listing) or it
+  carries a valid assertion: TENANT routes take a tenant's or the admin's, ADMIN routes (every
+  control endpoint, and any route this table does not know) only the admin's. Missing or invalid
+  → 401 invalid_api_key; a tenant on an admin route → 403 permission_denied.
+- A generation request's prefix-cache namespace is set here from its tenant (keyed with the
+  deployment's key); whatever `cache_salt`/`extra_key` the client sent is discarded. The KV owner
+  tag (kv_guard) derives from the same namespace, so owner == tenant.
+- Sessions and requests belong to the tenant that created them: another tenant gets 404 on a
+  session (existence is not revealed) and its abort of a request it does not own does nothing.
+
+Attacks closed: a client claiming another tenant's namespace with `cache_salt` (upstream takes
+it from the body), continuing another tenant's session by id (upstream sessions have no owner),
+calling /flush_cache, /update_weights_*, /pause_generation... on a worker's public port.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import re
+from collections import OrderedDict
+from enum import Enum
+
+from glm53_serving import tenants
+from glm53_serving.errors import ClientError
+from glm53_serving.tenants import Principal
+
+logger = logging.getLogger("glm53_serving")
+
+
+class Access(str, Enum):
+    OPEN = "open"  # no credential: probes and model listing
+    TENANT = "tenant"  # a tenant's (or the admin's) assertion; acts within the tenant's namespace
+    ADMIN = "admin"  # the operator's assertion only
+
+
+# Every route SGLang 0.5.23 serves. tests/unit/test_tenant_guard.py fails if the app has a route
+# this table does not classify, so an endpoint added upstream is reviewed before it is served
+# (and until then it is ADMIN at run time: unknown routes fail closed).
+ROUTES: dict[str, Access] = {
+    **dict.fromkeys((
+        "/health", "/health_generate", "/ready", "/ping", "/metrics", "/",
+        "/v1/models", "/v1/models/{model:path}", "/get_model_info", "/model_info", "/api/tags",
+        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+    ), Access.OPEN),
+    **dict.fromkeys((
+        # generation: every one goes through TokenizerManager._validate_one_request (intake.py),
+        # where the tenant's namespace is imposed
+        "/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+        "/api/chat", "/api/generate",
+        # tenant-owned objects: ownership checked by the hooks below
+        "/open_session", "/close_session", "/abort_request",
+        # stateless text utilities
+        "/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize", "/parse_function_call",
+        "/separate_reasoning", "/api/show",
+    ), Access.TENANT),
+    **dict.fromkeys((
+        "/server_info", "/get_server_info", "/v1/loads",
+        # the Responses API stores responses by id with no owner (and upstream's store is also
+        # refused at start-up with tenants): operators only until ownership exists
+        "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+        # non-generation model calls: not reviewed for namespaces; operators only
+        "/encode", "/classify", "/v1/embeddings", "/v1/classify", "/v1/score", "/v1/decisions", "/v1/rerank",
+        "/v1/audio/transcriptions", "/v1/realtime", "/v1/systemone", "/invocations", "/vertex_generate",
+        # control plane
+        "/set_internal_state", "/flush_cache", "/add_external_corpus", "/remove_external_corpus",
+        "/list_external_corpora", "/hicache/storage-backend/clear", "/hicache/storage-backend",
+        "/get_hicache_l3_cache_layout", "/start_profile", "/stop_profile", "/set_trace_level", "/freeze_gc",
+        "/start_expert_distribution_record", "/stop_expert_distribution_record",
+        "/dump_expert_distribution_record", "/update_weights_from_disk",
+        "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
+        "/get_remote_instance_transfer_engine_info", "/remote_instance_transfer_engine_info",
+        "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_tensor",
+        "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
+        "/update_weights_from_ipc", "/update_weight_version", "/get_weights_by_name",
+        "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker", "/slow_down",
+        "/pd_role_switch", "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+        "/configure_logging", "/pause_generation", "/continue_generation", "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+    ), Access.ADMIN),
+}
+_TEMPLATED = [(re.compile("^" + re.sub(r"\{[^}:]+(:path)?\}", lambda m: ".+" if m.group(1) else "[^/]+", p) + "$"), a)
+              for p, a in ROUTES.items() if "{" in p]
+
+
+def access_of(path: str) -> Access:
+    if path in ROUTES:
+        return ROUTES[path]
+    if path.startswith("/metrics"):  # SGLang mounts its Prometheus app at run time
+        return Access.OPEN
+    return next((a for rx, a in _TEMPLATED if rx.match(path)), Access.ADMIN)
+
+
+_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("glm53_principal", default=None)
+_key: bytes | None = None  # the deployment's assertion key; None: tenants off on this worker
+
+
+def enforced() -> bool:
+    return _key is not None
+
+
+def current() -> Principal | None:
+    return _principal.get()
+
+
+class TenantGuardMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or _key is None:
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        access = access_of(path)
+        if access is Access.OPEN:
+            return await self.app(scope, receive, send)
+        header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        principal = tenants.verify(_key, header)
+        error = None
+        if principal is None:
+            error = ClientError("invalid_api_key", "This worker serves only requests forwarded by its deployment's "
+                                "gateway (missing or invalid tenant assertion).")
+        elif access is Access.ADMIN and not principal.is_admin:
+            error = ClientError("permission_denied", f"{path} is an operator endpoint.")
+        if error is not None:
+            from glm53_serving.http_guard import REJECTIONS
+
+            REJECTIONS.inc(reason=error.code, endpoint=path if path in ROUTES else "other")
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            body = json.dumps(error.body()).encode()
+            await send({"type": "http.response.start", "status": error.status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            return await send({"type": "http.response.body", "body": body})
+        token = _principal.set(principal)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _principal.reset(token)
+
+
+def install(app, server_args) -> None:
+    """Called by http_guard's install hook, before the app starts."""
+    global _key
+    _key = tenants.load_assertion_key()
+    if _key is None:
+        logger.warning("glm53_serving: no %s: tenants are OFF on this worker (single-user deployment)",
+                       tenants.KEY_FILE_ENV)
+        return
+    if getattr(server_args, "enable_response_store", False):
+        raise RuntimeError("glm53_serving: --enable-response-store is refused with tenants: stored responses "
+                           "have no owner upstream (any tenant could read another's by id)")
+    if not any(m.cls is TenantGuardMiddleware for m in app.user_middleware):
+        app.add_middleware(TenantGuardMiddleware)
+
+
+def installed(app) -> bool:
+    return _key is None or any(m.cls is TenantGuardMiddleware for m in app.user_middleware)
+
+
+# --- what a tenant may touch --------------------------------------------------------------
+
+class _Owners:
+    """id -> tenant for ids tenants create (sessions, request ids); bounded, oldest forgotten
+    first (a forgotten id is owned by nobody: fail closed)."""
+
+    def __init__(self, limit: int):
+        self.limit, self._d = limit, OrderedDict()
+
+    def record(self, id_: str, tenant: str) -> None:
+        self._d[id_] = tenant
+        self._d.move_to_end(id_)
+        while len(self._d) > self.limit:
+            self._d.popitem(last=False)
+
+    def owner(self, id_) -> str | None:
+        return self._d.get(id_)
+
+    def forget(self, id_) -> None:
+        self._d.pop(id_, None)
+
+
+SESSIONS = _Owners(100_000)
+REQUESTS = _Owners(200_000)
+INTERNAL = "__internal__"  # requests a worker makes to itself (/health_generate) have no tenant
+
+
+def _session_not_found(session_id) -> ClientError:
+    return ClientError("not_found", f"No session {session_id!r}.", param="session_id")
+
+
+def namespace_request(obj) -> None:
+    """In intake, for every generation request: impose the tenant's namespace, check its session."""
+    if _key is None:
+        return
+    p = current()
+    tenant = p.tenant if p is not None else INTERNAL
+    obj.cache_salt = tenants.cache_salt(_key, tenant)
+    obj.extra_key = None
+    session = getattr(obj, "session_id", None)
+    if session is None and isinstance(getattr(obj, "session_params", None), dict):
+        session = obj.session_params.get("id")
+    if session is not None and not (p is not None and (p.is_admin or SESSIONS.owner(session) == tenant)):
+        raise _session_not_found(session)
+    if getattr(obj, "rid", None) is not None and isinstance(obj.rid, str):
+        REQUESTS.record(obj.rid, tenant)
+
+
+async def open_session_hook(original, self, obj, request=None):
+    """AROUND TokenizerManager.open_session: the opener's tenant owns the session."""
+    session_id = await original(self, obj, request)
+    p = current()
+    if session_id is not None and _key is not None and p is not None:
+        SESSIONS.record(session_id, p.tenant)
+    return session_id
+
+
+def close_session_hook(self, obj, request=None):
+    """BEFORE TokenizerManager.close_session."""
+    p = current()
+    if _key is None or p is None or p.is_admin:
+        return None
+    if SESSIONS.owner(obj.session_id) != p.tenant:
+        from glm53_serving import http_guard
+
+        error = _session_not_found(obj.session_id)
+        http_guard.reject(error, reason="session_not_found")
+        raise error
+    SESSIONS.forget(obj.session_id)
+    return None
+
+
+def abort_request_hook(original, self, rid: str = "", abort_all: bool = False):
+    """AROUND TokenizerManager.abort_request: a tenant aborts only its own requests; abort_all is
+    the operator's. Called without a principal, it is SGLang's own (disconnects, shutdown)."""
+    p = current()
+    if _key is None or p is None or p.is_admin:
+        return original(self, rid=rid, abort_all=abort_all)
+    if abort_all:
+        from glm53_serving import http_guard
+
+        error = ClientError("permission_denied", "abort_all is an operator action; abort your requests by rid.",
+                            param="abort_all")
+        http_guard.reject(error, reason="permission_denied")
+        raise error
+    if REQUESTS.owner(rid) != p.tenant:
+        logger.info("glm53_serving: tenant %s tried to abort request %s it does not own; ignored", p.tenant, rid)
+        return None  # as for an unknown rid: existence is not revealed
+    return original(self, rid=rid, abort_all=abort_all)

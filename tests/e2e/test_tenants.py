@@ -1,0 +1,269 @@
+"""Tenants end to end, on real servers through the real gateway and router: identity at the
+gateway, verified assertions at the workers, server-side cache namespaces, owned sessions and
+requests, the trusted PD handoff, operator-only control endpoints, and session affinity."""
+
+import json
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from glm53_serving import tenants
+from glm53_serving.gateway.app import routing_key
+from glm53_serving.tenant_guard import ROUTES, Access
+from glm53_serving.topology import REPO_LAUNCH_DIR
+from tests.e2e.launcher import auth, launch
+from tests.e2e.test_admission import metric, over_length
+from tests.e2e.test_robustness import serves_normally
+
+pytestmark = pytest.mark.e2e
+
+ENDPOINTS = ["/generate", "/v1/completions", "/v1/chat/completions"]
+GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+
+
+def assert_error(r, status, code, param=None):
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert err["code"] == code and isinstance(err["message"], str) and err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def topology(single, pd, name):
+    return single if name == "single" else pd
+
+
+# --- identity --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["single", "pd"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_missing_or_unknown_key_is_401_at_the_gateway_and_nothing_is_forwarded(single, pd, name, endpoint):
+    run = topology(single, pd, name)
+    workers = [p["url"] for p in run.info["processes"] if p["name"] in ("server", "prefill-0", "decode-0")]
+    before = [metric(w, "sglang:http_requests_total", endpoint=endpoint) for w in workers]
+    body = over_length(endpoint, False, n_prompt=4)
+    for headers in ({}, {"Authorization": "Bearer g53-not-a-key"}, {"Authorization": "Basic abc"},
+                    run.worker_headers()):  # a worker assertion is not an API key
+        assert_error(httpx.post(f"{run.url}{endpoint}", json=body, headers=headers, timeout=30), 401, "invalid_api_key")
+    assert [metric(w, "sglang:http_requests_total", endpoint=endpoint) for w in workers] == before
+    assert metric(run.url, "glm53_gateway_requests_total", tenant="-", status="401", reason="invalid_api_key") >= 4
+    r = httpx.post(f"{run.url}{endpoint}", json=body, headers=run.client_headers(), timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def forged_credentials(run) -> dict[str, dict]:
+    now = int(time.time())
+    import jwt
+
+    def bearer(token):
+        return {"Authorization": f"Bearer {token}"}
+
+    return {
+        "none": {},
+        "client_api_key": run.client_headers(),
+        "other_deployments_key": bearer(tenants.mint(b"z" * 64, "demo")),
+        "expired": bearer(jwt.encode({"sub": "demo", "aud": tenants.AUDIENCE, "iat": now - 900, "exp": now - 600},
+                                     tenants.load_assertion_key(run.info["tenants"]["assertion_key_file"]), "HS256")),
+        "unsigned": bearer(jwt.encode({"sub": "demo", "aud": tenants.AUDIENCE, "iat": now, "exp": now + 60}, None, "none")),
+    }
+
+
+@pytest.mark.parametrize("worker", ["server", "prefill-0", "decode-0"])
+def test_a_worker_reached_without_the_gateway_cannot_claim_a_tenant(single, pd, worker):
+    run = single if worker == "server" else pd
+    url = run.worker(worker)
+    for what, headers in forged_credentials(run).items():
+        for endpoint in ENDPOINTS:
+            r = httpx.post(f"{url}{endpoint}", json=over_length(endpoint, False, n_prompt=4), headers=headers, timeout=30)
+            assert_error(r, 401, "invalid_api_key")
+    assert metric(url, "glm53_rejections_total", reason="invalid_api_key") >= 15
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # open
+
+
+# --- namespaces ------------------------------------------------------------------------------
+
+def cached(run, ids, tenant, **extra):
+    r = httpx.post(f"{run.url}/generate", headers=run.client_headers(tenant), timeout=120, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]["cached_tokens"], r.json()["output_ids"]
+
+
+@pytest.mark.parametrize("spoof", ["cache_salt", "extra_key", "both"])
+def test_prefix_cache_hits_within_a_tenant_and_never_across(single, spoof):
+    ids = [random.Random(uuid.uuid4().int).randrange(5, 500) for _ in range(300)]  # new to the cache
+    key = tenants.load_assertion_key(single.info["tenants"]["assertion_key_file"])
+    a_salt = tenants.cache_salt(key, "demo")  # even tenant A's real namespace, leaked to B, is no way in
+    body = {"cache_salt": {"cache_salt": a_salt}, "extra_key": {"extra_key": a_salt},
+            "both": {"cache_salt": a_salt, "extra_key": "x"}}[spoof]
+    assert cached(single, ids, "demo")[0] == 0
+    hit, out_a = cached(single, ids, "demo")
+    assert hit >= 256, hit  # within a tenant, caching works (so the miss below is not caching being off)
+    miss, out_b = cached(single, ids, "demo-b", **body)
+    assert miss == 0  # B never lands in A's namespace
+    hit_b, out_b2 = cached(single, ids, "demo-b")
+    assert hit_b >= 256 and out_b == out_a == out_b2  # B's own namespace caches; the output is the model's
+
+
+# --- owned sessions and requests -------------------------------------------------------------
+
+def test_a_session_belongs_to_the_tenant_that_opened_it(single):
+    url = single.url
+    r = httpx.post(f"{url}/open_session", json={"capacity_of_str_len": 4000}, headers=single.client_headers("demo"), timeout=30)
+    assert r.status_code == 200, r.text
+    sid = r.json()
+    in_session = {**GEN, "session_params": {"id": sid}}
+    b = single.client_headers("demo-b")
+    assert_error(httpx.post(f"{url}/generate", json=in_session, headers=b, timeout=30), 404, "not_found", "session_id")
+    assert_error(httpx.post(f"{url}/generate", json={**in_session, "session_params": {"id": sid, "rid": None,
+                                                                                      "offset": 0, "replace": True}},
+                            headers=b, timeout=30), 404, "not_found")  # branch
+    assert_error(httpx.post(f"{url}/close_session", json={"session_id": sid}, headers=b, timeout=30), 404, "not_found")
+    missing = httpx.post(f"{url}/close_session", json={"session_id": uuid.uuid4().hex}, headers=b, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["message"].startswith("No session")  # same answer
+    a = single.client_headers("demo")
+    ok = httpx.post(f"{url}/generate", json=in_session, headers=a, timeout=120)
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4, ok.text
+    assert httpx.post(f"{url}/close_session", json={"session_id": sid}, headers=a, timeout=30).status_code == 200
+
+
+def stream_tokens(url, headers, rid, n, seen: list, started: threading.Event):
+    with httpx.stream("POST", f"{url}/generate", headers=headers, timeout=300, json={
+            "rid": rid, "input_ids": [9] * 16, "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.append(json.loads(line[6:]))
+                started.set()
+    started.set()
+
+
+def test_a_tenant_aborts_only_its_own_requests(single):
+    url = single.url
+    a, b = single.client_headers("demo"), single.client_headers("demo-b")
+    rid = f"tenant-a-{uuid.uuid4().hex}"
+    seen, started = [], threading.Event()
+    t = threading.Thread(target=stream_tokens, args=(url, a, rid, 64, seen, started))
+    t.start()
+    assert started.wait(120)
+    r = httpx.post(f"{url}/abort_request", json={"rid": rid}, headers=b, timeout=30)
+    assert r.status_code == 200  # as for any rid B does not own: nothing said, nothing done
+    assert_error(httpx.post(f"{url}/abort_request", json={"abort_all": True}, headers=b, timeout=30),
+                 403, "permission_denied", "abort_all")
+    t.join(300)
+    assert seen[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert seen[-1]["meta_info"]["completion_tokens"] == 64  # B's aborts did not touch it
+    # A may abort its own.
+    rid2, seen2, started2 = f"tenant-a-{uuid.uuid4().hex}", [], threading.Event()
+    t = threading.Thread(target=stream_tokens, args=(url, a, rid2, 400, seen2, started2))
+    t.start()
+    assert started2.wait(120)
+    assert httpx.post(f"{url}/abort_request", json={"rid": rid2}, headers=a, timeout=30).status_code == 200
+    t.join(300)
+    assert seen2 and seen2[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert seen2[-1]["meta_info"]["completion_tokens"] < 400
+
+
+def test_stored_responses_are_not_a_tenant_api(single):
+    # Upstream's Responses API stores responses by id with no owner: any tenant could read
+    # another's. It is operator-only (and the store is refused at start-up with tenants).
+    url = single.worker("server")
+    for method, path in (("GET", f"/v1/responses/resp_{uuid.uuid4().hex}"), ("POST", "/v1/responses/resp_x/cancel"),
+                         ("POST", "/v1/responses")):
+        assert_error(httpx.request(method, f"{url}{path}", headers=auth(url, "demo-b"), timeout=30), 403, "permission_denied")
+    assert httpx.get(f"{single.url}/v1/responses/resp_x", headers=single.client_headers(), timeout=30).status_code == 404
+
+
+# --- control endpoints -------------------------------------------------------------------------
+
+def test_control_endpoints_need_the_operators_assertion(single):
+    url = single.worker("server")
+    admin_paths = sorted(p for p, a in ROUTES.items() if a is Access.ADMIN and "{" not in p)
+    assert len(admin_paths) > 50
+    for path in admin_paths:
+        for method in ("GET", "POST"):
+            assert_error(httpx.request(method, f"{url}{path}", timeout=30), 401, "invalid_api_key")
+            assert_error(httpx.request(method, f"{url}{path}", headers=auth(url, "demo"), timeout=30), 403, "permission_denied")
+    before = metric(url, "sglang:num_requests_total")
+    r = httpx.post(f"{url}/flush_cache", headers=auth(url, "admin"), timeout=30)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{url}/server_info", headers=auth(url, "admin"), timeout=30).json()["glm53_serving"]["active"]
+    serves_normally(single.url)
+    assert metric(url, "sglang:num_requests_total") == before + 1  # none of the refused calls ran
+
+
+# --- trusted PD handoff ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("worker", ["prefill-0", "decode-0"])
+@pytest.mark.parametrize("host", ["2.2.2.2", "10.9.9.9", "127.0.0.1"], ids=["fake", "foreign", "wrong-port"])
+def test_a_fake_or_foreign_bootstrap_host_is_refused_straight_to_a_pd_worker(pd, worker, host):
+    url = pd.worker(worker)
+    t0 = time.monotonic()
+    r = httpx.post(f"{url}/generate", headers=auth(url), timeout=30, json={
+        **GEN, "bootstrap_host": host, "bootstrap_port": 1, "bootstrap_room": 77})
+    assert time.monotonic() - t0 < 2.0
+    assert_error(r, 403, "permission_denied", "bootstrap_host")
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    serves_normally(pd.url)
+
+
+@pytest.mark.parametrize("field", ["bootstrap_host", "bootstrap_room", "bootstrap_port"])
+def test_clients_cannot_set_handoff_fields_at_the_gateway(pd, field):
+    value = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 1, "bootstrap_port": 8998}[field]
+    r = httpx.post(f"{pd.url}/generate", headers=pd.client_headers(), timeout=30, json={**GEN, field: value})
+    assert_error(r, 400, "invalid_request_error", field)
+
+
+def test_the_router_replaces_client_handoff_fields(pd):
+    # Straight to the router (no gateway), a client's fake bootstrap host is overwritten by the
+    # router's own pairing: the answer is the model's real output, not decode over unwritten pages.
+    router = pd.worker("router")
+    honest = httpx.post(f"{router}/generate", headers=auth(router), timeout=120, json=GEN)
+    faked = httpx.post(f"{router}/generate", headers=auth(router), timeout=120, json={
+        **GEN, "bootstrap_host": "2.2.2.2", "bootstrap_port": 8998, "bootstrap_room": 5})
+    assert honest.status_code == faked.status_code == 200, faked.text
+    assert faked.json()["output_ids"] == honest.json()["output_ids"]
+
+
+# --- session affinity (two decode workers) -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pd2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pd2")
+    cfg = d / "pd2.toml"
+    cfg.write_text((REPO_LAUNCH_DIR / "cpu.toml").read_text().replace("[decode]\ncount = 1", "[decode]\ncount = 2"))
+    run = launch(d / "run", "--config", str(cfg))
+    yield run
+    run.stop()
+
+
+def per_decode(run, requests: list[dict]) -> list[int]:
+    decodes = [run.worker("decode-0"), run.worker("decode-1")]
+    before = [metric(d, "sglang:num_requests_total") for d in decodes]
+    for headers in requests:
+        r = httpx.post(f"{run.url}/generate", json=GEN, headers={**run.client_headers(), **headers}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+    return [int(metric(d, "sglang:num_requests_total") - b) for d, b in zip(decodes, before)]
+
+
+def test_affinity_pins_a_session_to_one_decode_worker(pd2):
+    counts = per_decode(pd2, [{"x-session-affinity": "agent-session-1"}] * 20)
+    assert sorted(counts) == [0, 20], counts
+
+
+def test_different_sessions_and_no_session_spread_over_the_workers(pd2):
+    counts = per_decode(pd2, [{"x-session-affinity": f"s-{i}"} for i in range(20)])
+    assert min(counts) >= 4, counts
+    counts = per_decode(pd2, [{}] * 20)
+    assert min(counts) >= 4, counts
+
+
+def test_affinity_ids_are_scoped_by_tenant():
+    assert routing_key("demo", "s1") != routing_key("demo-b", "s1")
+    assert routing_key("demo", "s1") == routing_key("demo", "s1")
