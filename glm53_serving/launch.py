@@ -189,12 +189,13 @@ def gateway_probe(child: Child, client: httpx.Client) -> bool:
 
 
 def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client], bool]], t0: float, timeout_s: float,
-               headers: dict[str, str] | None = None) -> None:
+               headers: Callable[[], dict[str, str]] = dict) -> None:
     by_name = {c.name: c for c in sup.children}
     last_progress = time.monotonic()
-    with httpx.Client(headers=headers) as client:
+    with httpx.Client() as client:
         while pending:
             sup.check_alive()
+            client.headers.update(headers())  # fresh credentials: start-up can outlast an assertion
             for name in list(pending):
                 if pending[name](by_name[name], client):
                     by_name[name].ready = True
@@ -324,10 +325,9 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
         say("WARNING: tenants are OFF ([tenants] mode = \"off\"): every client shares one trust domain")
     p = plan(topo, model_path, run_dir, tenancy)
     say(f"{topo.topology} topology from {topo.source}; run dir {run_dir}")
-    admin = tenancy.admin_headers()
     for s in p.servers:
         sup.start(s)
-    wait_ready(sup, {s.name: server_probe for s in p.servers}, t0, topo.ready_timeout_s, admin)
+    wait_ready(sup, {s.name: server_probe for s in p.servers}, t0, topo.ready_timeout_s, tenancy.admin_headers)
     if p.router is not None:
         sup.start(p.router)
         wait_ready(sup, {p.router.name: router_probe(len(p.servers))}, t0, topo.ready_timeout_s)
@@ -338,7 +338,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
         key = next(iter(tenancy.demo_keys.values()), None)
         smoke_generate(client_url, {"Authorization": f"Bearer {key}"} if key else {})
     else:  # the operator's tenants file: we hold no tenant key; the upstream takes the admin's assertion
-        smoke_generate(p.router.url if p.router else p.servers[0].url, admin)
+        smoke_generate(p.router.url if p.router else p.servers[0].url, tenancy.admin_headers())
     ready_s = time.monotonic() - t0
     info = {
         "client_url": client_url,

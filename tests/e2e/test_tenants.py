@@ -267,3 +267,52 @@ def test_different_sessions_and_no_session_spread_over_the_workers(pd2):
 def test_affinity_ids_are_scoped_by_tenant():
     assert routing_key("demo", "s1") != routing_key("demo-b", "s1")
     assert routing_key("demo", "s1") == routing_key("demo", "s1")
+
+
+# --- no cross-tenant denial of service ----------------------------------------------------------
+
+def bad_requests(run):
+    """What one tenant can throw at the deployment: every kind of request that is refused."""
+    b, url = run.client_headers("demo-b"), run.url
+    return [
+        lambda: httpx.post(f"{url}/generate", json=over_length("/generate", True), headers=b, timeout=30),  # 400 gateway
+        lambda: httpx.post(f"{url}/v1/chat/completions", json=over_length("/v1/chat/completions", False), headers=b, timeout=30),
+        lambda: httpx.post(f"{url}/generate", json=GEN, headers={"Authorization": "Bearer g53-stolen"}, timeout=30),  # 401
+        lambda: httpx.post(f"{url}/generate", json={**GEN, "input_ids": [5, -1]}, headers=b, timeout=30),  # 400 worker
+        lambda: httpx.post(f"{url}/v1/chat/completions", headers=b, timeout=30, json={  # 400 worker, through the router
+            "model": "glm53-tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1}),
+        lambda: httpx.post(f"{url}/generate", json={**GEN, "bootstrap_host": "2.2.2.2"}, headers=b, timeout=30),
+    ]
+
+
+def test_one_tenants_burst_of_bad_requests_does_not_deny_service_to_another(pd):
+    expected = httpx.post(f"{pd.url}/generate", json=GEN, headers=pd.client_headers("demo"), timeout=120).json()["output_ids"]
+    stop, refused = threading.Event(), []
+
+    def burst():
+        kinds = bad_requests(pd)
+        while not stop.is_set():
+            for send in kinds:
+                r = send()
+                try:
+                    code = r.json()["error"]["code"]
+                except (ValueError, KeyError, TypeError):
+                    code = None
+                refused.append((r.status_code, code))
+
+    attackers = [threading.Thread(target=burst) for _ in range(3)]
+    for t in attackers:
+        t.start()
+    try:
+        outcomes = []
+        for _ in range(15):
+            r = httpx.post(f"{pd.url}/generate", json=GEN, headers=pd.client_headers("demo"), timeout=120)
+            outcomes.append((r.status_code, r.json().get("output_ids")))
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join(60)
+    assert len(refused) >= 30, len(refused)
+    assert outcomes == [(200, expected)] * 15  # 100% success, correct output, during the burst
+    assert all(400 <= status < 500 and code for status, code in refused), set(refused)
+    assert {400, 401} <= {status for status, _ in refused}
