@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from glm53_serving import tenants
 from glm53_serving.models import tiny
 
 
@@ -39,14 +40,24 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(120)
 
 
-def bench(url: str, a, out: Path) -> dict:
+def credential(info: dict, side: str) -> str:
+    """What the load generator sends as `Authorization: Bearer`: the demo tenant's API key at the
+    gateway; straight to the router or a server, the assertion the gateway would have sent."""
+    t = info["tenants"]
+    if side == "gateway":
+        return json.loads(Path(t["demo_keys_file"]).read_text())["demo"]
+    return tenants.mint(tenants.load_assertion_key(t["assertion_key_file"]), "demo", ttl_s=6 * 3600)
+
+
+def bench(url: str, a, out: Path, key: str) -> dict:
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
            "--dataset-name", "random-ids", "--tokenizer", str(tiny.ensure()), "--model", "glm53-tiny",
            "--num-prompts", str(a.num_prompts), "--random-input-len", str(a.input_len),
            "--random-output-len", str(a.output_len), "--random-range-ratio", "1.0",
            "--request-rate", str(a.request_rate), "--max-concurrency", str(a.concurrency),
            "--disable-tqdm", "--output-file", str(out), "--seed", "1"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "OPENAI_API_KEY": key})
     return json.loads(out.read_text().splitlines()[-1])
 
 
@@ -84,7 +95,7 @@ def main(argv=None) -> None:
             runs = {"gateway": [], "router": []}
             for i in range(a.rounds):
                 for side, url in (("gateway", info["client_url"]), ("router", router)):
-                    runs[side].append(bench(url, a, tmp / f"{side}-{i}.jsonl"))
+                    runs[side].append(bench(url, a, tmp / f"{side}-{i}.jsonl", credential(info, side)))
         finally:
             stop(proc)
         compare("via gateway", runs["gateway"], "straight to router", runs["router"])
@@ -95,7 +106,7 @@ def main(argv=None) -> None:
             server = next(x["url"] for x in info["processes"] if x["name"] == "server")
             try:
                 for i in range(a.rounds):
-                    runs[side].append(bench(server, a, tmp / f"{side}-{i}.jsonl"))
+                    runs[side].append(bench(server, a, tmp / f"{side}-{i}.jsonl", credential(info, "server")))
             finally:
                 stop(proc)
         compare("kv guard on", runs["on"], "guards off (upstream)", runs["off"])

@@ -53,8 +53,10 @@ def test_missing_or_unknown_key_is_401_at_the_gateway_and_nothing_is_forwarded(s
         assert_error(httpx.post(f"{run.url}{endpoint}", json=body, headers=headers, timeout=30), 401, "invalid_api_key")
     assert [metric(w, "sglang:http_requests_total", endpoint=endpoint) for w in workers] == before
     assert metric(run.url, "glm53_gateway_requests_total", tenant="-", status="401", reason="invalid_api_key") >= 4
-    r = httpx.post(f"{run.url}{endpoint}", json=body, headers=run.client_headers(), timeout=120)
+    before_ok = metric(run.url, "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200")
+    r = httpx.post(f"{run.url}{endpoint}", json=body, headers=run.client_headers("demo-b"), timeout=120)
     assert r.status_code == 200, r.text
+    assert metric(run.url, "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200") == before_ok + 1
 
 
 def forged_credentials(run) -> dict[str, dict]:
