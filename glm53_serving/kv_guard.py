@@ -44,6 +44,7 @@ def layer_buffers(pool) -> list[torch.Tensor]:
 
 
 MAX_RUNS_AS_SLICES = 4  # an allocation in at most this many contiguous runs is zeroed slice by slice
+SMALL_ALLOC = 64  # slots; at most this many are always zeroed by one indexed fill per buffer
 
 
 def zero_slots(pool, slots: torch.Tensor) -> None:
@@ -53,7 +54,9 @@ def zero_slots(pool, slots: torch.Tensor) -> None:
     rows are filled as 8-byte words where they can be."""
     if slots.numel() == 0:
         return
-    runs = _runs(slots) if slots.device.type == "cpu" else None  # finding runs on a GPU would sync
+    # Finding runs costs a sort and a host copy: worth it for prefill-sized allocations only (and
+    # never on a GPU, where it would sync); a decode step's few slots take the indexed fill.
+    runs = _runs(slots) if slots.device.type == "cpu" and slots.numel() > SMALL_ALLOC else None
     for buf in layer_buffers(pool):
         rows = _as_words(buf)
         if runs is not None and len(runs) <= MAX_RUNS_AS_SLICES:

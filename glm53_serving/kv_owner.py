@@ -71,6 +71,14 @@ def owner_of(req) -> int:
     return namespace_id(req.cache_salt, req.extra_key)
 
 
+def _cached_owner(req) -> int:
+    """owner_of(req), computed once per request (the batch builds of every decode step ask)."""
+    ns = req.__dict__.get("_glm53_owner")
+    if ns is None:
+        ns = req._glm53_owner = owner_of(req)
+    return ns
+
+
 # --- the tag table --------------------------------------------------------------------------
 
 def tags_of(allocator) -> torch.Tensor:
@@ -115,7 +123,7 @@ def foreign(allocator, req_to_token: torch.Tensor, rows: torch.Tensor, lens: tor
 # --- hooks ----------------------------------------------------------------------------------
 
 def _owners(reqs, device) -> torch.Tensor:
-    return torch.tensor([owner_of(r) for r in reqs], dtype=torch.int64).to(device, non_blocking=True)
+    return torch.tensor([_cached_owner(r) for r in reqs], dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _allocator(batch):
@@ -132,7 +140,7 @@ def tag_and_check_extend(result, batch, *args, **kwargs):
     extend_lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
     claim(allocator, out_cache_loc,
           torch.repeat_interleave(owners, extend_lens.to(owners.device), output_size=out_cache_loc.numel()))
-    new = _Fresh(starts=list(batch.prefix_lens), slots=out_cache_loc, offsets=_offsets(extend_lens))
+    new = _Fresh(starts=batch.prefix_lens, slots=out_cache_loc, offsets=_offsets(extend_lens))
     check_batch(batch, rows, batch.seq_lens, int(batch.seq_lens_cpu.max()), owners, new, where="extend")
     return result
 
@@ -146,8 +154,7 @@ def tag_and_check_decode(result, batch, token_per_req, *args, **kwargs):
     allocator = _allocator(batch)
     owners = _owners(batch.reqs, out_cache_loc.device)
     claim(allocator, out_cache_loc, owners.repeat_interleave(token_per_req))
-    new = _Fresh(starts=batch.seq_lens_cpu.tolist(), slots=out_cache_loc,
-                 offsets=[i * token_per_req for i in range(len(batch.reqs) + 1)])
+    new = _Fresh(starts=batch.seq_lens_cpu, slots=out_cache_loc, offsets=range(0, 1 << 62, token_per_req))
     check_batch(batch, batch.req_pool_indices, batch.seq_lens + token_per_req,
                 int(batch.seq_lens_cpu.max()) + token_per_req, owners, new, where="decode")
     return result
@@ -220,7 +227,8 @@ def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, ne
     3"), so no position of its row may reach another owner's KV when it runs, and the row must
     free exactly what the request holds afterwards (SGLang stops on a leaked or doubly freed page):
     - positions this very allocation filled get back the slot the allocator gave them (zeroed at
-      allocation: whatever its tag says, it holds nothing of anyone's);
+      allocation: whatever its tag says, it holds nothing of anyone's, and it is freed with the
+      request), unless the slot continues an older page (paged), which counts as older;
     - older positions the request frees itself (>= cache_protected_len) get a fresh zeroed page
       of its own, freed with it;
     - positions of the protected prefix, which the request never frees, read the padding page 0.
@@ -251,7 +259,11 @@ def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, ne
     n = int(positions.max()) + 1
     still = foreign(allocator, r2t, torch.tensor([row], device=r2t.device), torch.tensor([n], device=r2t.device), n,
                     torch.tensor([ns], device=r2t.device))[0]
-    pages = sorted({q // p for q in torch.nonzero(still).flatten().tolist()})
+    # A position on a page this allocation took from the free list holds the allocator's own
+    # slot again: zeroed at allocation, freed with the request, readable whatever its tag says.
+    fresh_from = new_start + (-new_start) % p  # first page boundary inside the new positions
+    fresh_to = new_start + new_slots.numel()
+    pages = sorted({q // p for q in torch.nonzero(still).flatten().tolist() if not fresh_from <= q < fresh_to})
     protected = int(getattr(req.kv, "cache_protected_len", None) or 0)
     for lp in (lp for lp in pages if lp * p < protected):
         r2t[row, lp * p: lp * p + p] = torch.arange(p, dtype=r2t.dtype, device=r2t.device)
