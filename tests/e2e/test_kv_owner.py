@@ -24,7 +24,9 @@ PROMPT = [(i * 7) % 300 + 5 for i in range(40)]
 
 def _env(tmp_path):
     return {"PYTHONPATH": KV_FAULT, "GLM53_TEST_KV_FOREIGN": "kvfault-foreign",
-            "GLM53_TEST_KV_SHORT_HANDOFF": "kvfault-short", "GLM53_TEST_KV_LOG": str(tmp_path / "kv-events.jsonl")}
+            "GLM53_TEST_KV_SHORT_HANDOFF": "kvfault-short",
+            "GLM53_TEST_KV_FOREIGN_DECODE": "kvfault-decode",
+            "GLM53_TEST_KV_POISON_TAIL": "kvfault-poison", "GLM53_TEST_KV_LOG": str(tmp_path / "kv-events.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -110,31 +112,55 @@ def test_a_row_reaching_another_namespaces_kv_fails_that_request_alone(faulty_si
     assert checked > 0
 
 
-def test_pd_decode_checks_owners_and_the_handoff_length(faulty_pd):
+def test_stale_row_residue_beyond_the_length_is_never_read(faulty_single):
+    """Rows are reused without clearing (upstream); fill everything past the request's length
+    with another namespace's live slot at every batch build: same output, no violation."""
+    run, worker = faulty_single, faulty_single.worker("server")
+    expected = generate(run).json()["output_ids"]
+    before = metric(worker, "glm53_kv_isolation_violations_total", run.worker_headers())
+    for k in range(2):
+        r = generate(run, rid=f"kvfault-poison-{k}", salt="tenant-y")
+        assert r.status_code == 200 and r.json()["output_ids"] == expected, r.text[:300]
+    assert metric(worker, "glm53_kv_isolation_violations_total", run.worker_headers()) == before
+    events = [json.loads(line) for line in (run.run_dir / "kv-events.jsonl").read_text().splitlines()]
+    poisoned = [e for e in events if e.get("fault") == "poison_tail"]
+    assert {e["where"] for e in poisoned} == {"extend", "decode"}
+
+
+def test_a_foreign_index_at_a_decode_step_fails_that_request_alone(faulty_single):
+    run = faulty_single
+    expected = generate(run).json()["output_ids"]
+    r = generate(run, rid="kvfault-decode-1", salt="tenant-z")
+    assert_contract_500(r, "kv_isolation_violation")
+    assert metric(run.worker("server"), "glm53_kv_isolation_violations_total", run.worker_headers(),
+                  where="decode") >= 1
+    again = generate(run, salt="tenant-z")
+    assert again.status_code == 200 and again.json()["output_ids"] == expected
+
+
+def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroed_pages(faulty_pd):
     run = faulty_pd
-    # On PD the foreign-index fault fires on prefill's extend; the transfer of an aborted
-    # prefill fails and decode answers 5xx. What matters: no 200, others unaffected.
-    _isolation_scenario_pd(run)
-
-    short = generate(run, rid="kvfault-short-1")
-    assert 500 <= short.status_code < 600, short.text[:300]
-    assert "output_ids" not in short.text
     decode = run.worker("decode-0")
-    assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= 1
-    reference = generate(run)
-    assert reference.status_code == 200
-
-    events = [json.loads(line) for line in run.events.read_text().splitlines()]
-    published = [e for e in events if e.get("event") == "publish"]
-    assert published, "the ordering probe saw no published destination"
-    assert all(e["all_zero"] for e in published), [e for e in published if not e["all_zero"]]
-    assert any(e.get("fault") == "short_handoff" for e in events)
-
-
-def _isolation_scenario_pd(run):
     reference = generate(run)
     assert reference.status_code == 200, reference.text
-    victim = generate(run, rid="kvfault-foreign-pd", salt="tenant-x")
+    expected = reference.json()["output_ids"]
+
+    # Decode's first step after the transfer finds a foreign index in the row: that request fails.
+    victim = generate(run, rid="kvfault-decode-pd")
     assert 500 <= victim.status_code < 600 and "output_ids" not in victim.text, victim.text[:300]
+    assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="decode") >= 1
+
+    # The transfer reports one prompt token fewer than decode pre-allocated: aborted before decoding.
+    short = generate(run, rid="kvfault-short-1")
+    assert 500 <= short.status_code < 600 and "output_ids" not in short.text, short.text[:300]
+    assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= 1
+
     again = generate(run)
-    assert again.status_code == 200 and again.json()["output_ids"] == reference.json()["output_ids"]
+    assert again.status_code == 200 and again.json()["output_ids"] == expected
+
+    # Ordering: at the moment decode sends a destination's page indices, every page reads zero.
+    events = [json.loads(line) for line in run.events.read_text().splitlines()]
+    published = [e for e in events if e.get("event") == "publish"]
+    assert len(published) >= 4, events
+    assert all(e["all_zero"] for e in published), [e for e in published if not e["all_zero"]]
+    assert any(e.get("fault") == "short_handoff" for e in events)

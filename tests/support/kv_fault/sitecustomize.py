@@ -2,12 +2,17 @@
 
 Put this directory on PYTHONPATH (spawned SGLang children inherit it) and set any of:
 
-- GLM53_TEST_KV_FOREIGN=<marker>: when a batch is built for a request whose rid contains the
-  marker, its req_to_token row gets, at position 0, the index of a live slot that another
-  namespace owns (the incident's situation: a row reaching another tenant's KV). If no foreign
-  slot is live yet, the owner tag of the row's own first page is corrupted instead. Runs before
-  glm53_serving's own hook on the same target (registered first, so innermost), so the owner
-  check sees the fault exactly as a real bug would leave it.
+- GLM53_TEST_KV_FOREIGN=<marker>: when an extend batch is built for a request whose rid
+  contains the marker, its req_to_token row gets, at its first new position, the index of a live
+  slot that another namespace owns (the incident's situation: a row reaching another tenant's
+  KV). If no foreign slot is live, the owner tag of that position's page is corrupted instead.
+  Runs before glm53_serving's own hook on the same target (registered first, so innermost), so
+  the owner check sees the fault exactly as a real bug would leave it.
+- GLM53_TEST_KV_FOREIGN_DECODE=<marker>: the same at such a request's first decode step (in PD:
+  decode's first step after the transfer), on its new position.
+- GLM53_TEST_KV_POISON_TAIL=<marker>: at every batch build of such a request, its row beyond
+  the request's length is filled with another namespace's live slot (stale row residue at its
+  worst): the output must not change and no check may fail, because nothing reads past the length.
 - GLM53_TEST_KV_SHORT_HANDOFF=<marker>: PD decode reads a prompt length one token short from
   the metadata slot of such a request (a transfer that did not cover what decode pre-allocated).
 - GLM53_TEST_KV_LOG=<file>: PD decode appends one JSON line per published destination: whether
@@ -19,7 +24,10 @@ import json
 import os
 
 _FOREIGN = os.environ.get("GLM53_TEST_KV_FOREIGN")
+_FOREIGN_DECODE = os.environ.get("GLM53_TEST_KV_FOREIGN_DECODE")
+_done: set = set()
 _SHORT = os.environ.get("GLM53_TEST_KV_SHORT_HANDOFF")
+_POISON = os.environ.get("GLM53_TEST_KV_POISON_TAIL")
 _LOG = os.environ.get("GLM53_TEST_KV_LOG")
 
 
@@ -29,29 +37,68 @@ def _log(**event):
             f.write(json.dumps(event) + "\n")
 
 
-def _inject_foreign(result, batch, *args, **kwargs):
-    import torch
-
+def _inject(batch, rows, positions, marker, where):
     from glm53_serving import kv_owner
 
-    _out, rows, _ = result
     allocator = batch.tree_cache.token_to_kv_pool_allocator
     tags = kv_owner.tags_of(allocator)
     r2t = batch.req_to_token_pool.req_to_token
     for i, req in enumerate(batch.reqs):
-        if _FOREIGN not in str(req.rid):
+        if marker is None or marker not in str(req.rid) or (req.rid, where) in _done:
             continue
+        _done.add((req.rid, where))
         owner = kv_owner.owner_of(req)
-        others = torch.nonzero((tags != 0) & (tags != owner)).flatten()
-        row = int(rows[i])
-        if others.numel():
-            slot = int(others[0]) * allocator.page_size
-            r2t[row, 0] = slot
-            _log(fault="foreign_index", rid=req.rid, slot=slot, owner=int(tags[others[0]]))
+        row, pos = int(rows[i]), int(positions[i])
+        slot = _foreign_slot(allocator, owner)
+        if slot is not None:
+            r2t[row, pos] = slot
+            _log(fault="foreign_index", where=where, rid=req.rid, pos=pos, slot=slot)
         else:
-            page = int(r2t[row, 0]) // allocator.page_size
+            page = int(r2t[row, pos]) // allocator.page_size
             tags[page] = owner + 1
-            _log(fault="corrupt_tag", rid=req.rid, page=page)
+            _log(fault="corrupt_tag", where=where, rid=req.rid, pos=pos, page=page)
+
+
+def _inject_foreign(result, batch, *args, **kwargs):
+    _inject(batch, result[1], batch.prefix_lens, _FOREIGN, "extend")
+    return result
+
+
+def _inject_foreign_decode(result, batch, *args, **kwargs):
+    _inject(batch, batch.req_pool_indices, batch.seq_lens_cpu, _FOREIGN_DECODE, "decode")
+    return result
+
+
+def _foreign_slot(allocator, owner):
+    import torch
+
+    from glm53_serving import kv_owner
+
+    tags = kv_owner.tags_of(allocator)
+    others = torch.nonzero((tags != 0) & (tags != owner)).flatten()
+    return int(others[0]) * allocator.page_size if others.numel() else None
+
+
+def _poison(batch, rows, lens, where):
+    from glm53_serving import kv_owner
+
+    allocator = batch.tree_cache.token_to_kv_pool_allocator
+    r2t = batch.req_to_token_pool.req_to_token
+    for i, req in enumerate(batch.reqs):
+        if _POISON is not None and _POISON in str(req.rid):
+            slot = _foreign_slot(allocator, kv_owner.owner_of(req))
+            slot = allocator.size if slot is None else slot  # the last slot: someone's or free
+            r2t[int(rows[i]), int(lens[i]):] = slot
+            _log(fault="poison_tail", rid=req.rid, where=where, start=int(lens[i]), slot=slot)
+
+
+def _poison_extend(result, batch, *args, **kwargs):
+    _poison(batch, result[1], batch.seq_lens_cpu, "extend")
+    return result
+
+
+def _poison_decode(result, batch, token_per_req=1, *args, **kwargs):
+    _poison(batch, batch.req_pool_indices, batch.seq_lens_cpu + token_per_req, "decode")
     return result
 
 
@@ -76,11 +123,17 @@ def _probe_publish(self, decode_req, kv_indices, page_size, *args, **kwargs):
     return None
 
 
-if _FOREIGN or _SHORT or _LOG:
+if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LOG or _POISON:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if _FOREIGN:
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _inject_foreign, HookType.AFTER)
+    if _FOREIGN_DECODE:
+        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _inject_foreign_decode,
+                              HookType.AFTER)
+    if _POISON:
+        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _poison_extend, HookType.AFTER)
+        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _poison_decode, HookType.AFTER)
     if _SHORT:
         HookRegistry.register("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
                               _short_handoff, HookType.BEFORE)
