@@ -216,6 +216,11 @@ def check_batch(batch, rows: torch.Tensor, lens: torch.Tensor, max_len: int, own
     if not bool(bad.any()):  # the one host sync; only a violation goes further
         return
     for i in torch.nonzero(bad.any(dim=1)).flatten().tolist():
+        if batch.reqs[i].__dict__.get("_glm53_quarantined"):
+            # Already aborted and its row made safe; the overlap scheduler builds one more batch
+            # before the abort is processed. Its new slot is fresh; repairing again would only
+            # displace (leak) the slots the first repair kept.
+            continue
         quarantine(batch, batch.reqs[i], int(rows[i]), torch.nonzero(bad[i]).flatten(), *new.of(i), where=where)
 
 
@@ -271,6 +276,7 @@ def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, ne
     if own_pages:
         _redirect_to_fresh(batch, req, row, own_pages, ns)
 
+    req._glm53_quarantined = True
     req.skip_radix_cache_insert = True
     req.to_finish = FINISH_ABORT(
         "KV isolation violation: this request's KV cache row referenced pages of another owner; "

@@ -278,6 +278,9 @@ def test_a_violation_aborts_only_that_request_and_its_forward_reads_zeros(page_s
     assert not kv_owner.foreign(alloc, batch.req_to_token_pool.req_to_token, torch.tensor([2]), torch.tensor([8]),
                                 MAXLEN, torch.tensor([kv_owner.owner_of(b)])).any()
     assert alloc.available_size() == free_before - page_size  # one fresh page, owned by b, freed with it
+    # The overlap scheduler builds one more batch with b before its abort lands: no second repair.
+    _check(batch)
+    assert alloc.available_size() == free_before - page_size
     assert "victim-b" in caplog.text and "KV isolation violation" in caplog.text
     assert bool((pool.k_buffer[0][sa] == 5.0).all()), "a's KV must be left untouched"
 
