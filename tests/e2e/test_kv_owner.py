@@ -9,6 +9,7 @@ output and the server stays healthy."""
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -145,7 +146,8 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
     assert reference.status_code == 200, reference.text
     expected = reference.json()["output_ids"]
 
-    # Decode's first step after the transfer finds a foreign index in the row: that request fails.
+    # Decode's first step after the transfer finds a foreign index in the row: that request fails
+    # (the router retries a 5xx; every attempt is faulted and fails the same way).
     victim = generate(run, rid="kvfault-decode-pd")
     assert 500 <= victim.status_code < 600 and "output_ids" not in victim.text, victim.text[:300]
     assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="decode") >= 1
@@ -155,8 +157,14 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
     assert 500 <= short.status_code < 600 and "output_ids" not in short.text, short.text[:300]
     assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= 1
 
-    again = generate(run)
-    assert again.status_code == 200 and again.json()["output_ids"] == expected
+    # The servers stay up. The router, though, counts each 500 (and its retries) as a worker
+    # failure and opens its circuit breaker for a while (see docs/architecture.md, known limits).
+    for name in ("prefill-0", "decode-0"):
+        assert httpx.get(f"{run.worker(name)}/health", timeout=30, headers=run.worker_headers()).status_code == 200
+    deadline = time.monotonic() + 180
+    while (again := generate(run)).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(5)
+    assert again.status_code == 200 and again.json()["output_ids"] == expected, again.text[:300]
 
     # Ordering: at the moment decode sends a destination's page indices, every page reads zero.
     events = [json.loads(line) for line in run.events.read_text().splitlines()]
