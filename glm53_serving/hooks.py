@@ -40,17 +40,23 @@ class Hook:
     # Where the row is in effect and verified: "any" process, or only "scheduler" processes
     # (rows applied by a scheduler-side hook, so that other processes never import their module).
     process: str = "any"
+    # The KV guard part the row belongs to ("zero", "owner", "handoff"): a part switched off
+    # explicitly (plugin.KV_OFF_ENV) drops its rows; None: not a switchable part.
+    part: str | None = None
 
     def __post_init__(self):
         assert self.target.startswith("sglang."), self.target
         assert (self.kind is Kind.ATTR) == (self.impl is None), self
         assert self.why, self
         assert self.process in ("any", "scheduler"), self
+        assert self.part in (None, *KV_PARTS), self
 
     def resolve_impl(self) -> Callable:
         assert self.impl is not None
         return pkgutil.resolve_name(self.impl)
 
+
+KV_PARTS = ("zero", "owner", "handoff")  # kv_guard.py, kv_owner.py, kv_handoff.py
 
 HOOKS: tuple[Hook, ...] = (
     # --- start-up handshake: fail closed (glm53_serving/startup.py) -------------------------
@@ -102,27 +108,88 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc", Kind.AFTER,
         "glm53_serving.kv_guard:zero_after_alloc", ("self", "need_size"),
-        "page size 1: every slot handed out reads zeros until its request writes it",
+        "page size 1: every slot handed out reads zeros until its request writes it", part="zero",
     ),
     Hook(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc", Kind.AFTER,
         "glm53_serving.kv_guard:zero_after_alloc", ("self", "need_size"),
-        "paged pools: plain allocations (decode pre-allocation, chunked prefill) read zeros",
+        "paged pools: plain allocations (decode pre-allocation, chunked prefill) read zeros", part="zero",
     ),
     Hook(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend", Kind.AFTER,
         "glm53_serving.kv_guard:zero_after_alloc", ("self", "prefix_lens", "prefix_lens_cpu", "seq_lens"),
-        "paged pools: prefill extension slots read zeros",
+        "paged pools: prefill extension slots read zeros", part="zero",
     ),
     Hook(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode", Kind.AFTER,
         "glm53_serving.kv_guard:zero_after_alloc", ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
-        "paged pools: each decode step's new slot reads zeros",
+        "paged pools: each decode step's new slot reads zeros", part="zero",
     ),
     Hook(
         "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc", Kind.AFTER,
-        "glm53_serving.kv_guard:publish_after_zeroing", ("self",),
-        "PD decode: the zero fills complete before the destination's page indices go to prefill",
+        "glm53_serving.kv_guard:publish_after_zeroing", ("self", "req"),
+        "PD decode: the destination is tagged with the request's owner (if that part is on) and "
+        "the zero fills complete before its page indices go to prefill",
+    ),
+    # --- KV owner tags, checked before every read (kv_owner.py) -----------------------------
+    Hook(
+        "sglang.srt.mem_cache.allocation.alloc_for_extend", Kind.AFTER,
+        "glm53_serving.kv_owner:tag_and_check_extend", ("batch",),
+        "extend batch build: the new slots take the request's namespace, then every row of the "
+        "batch is checked to hold only its own namespace's pages before the forward reads it",
+        part="owner",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocation.alloc_for_decode", Kind.AFTER,
+        "glm53_serving.kv_owner:tag_and_check_decode", ("batch", "token_per_req"),
+        "decode batch build (in PD also the first step after a transfer): tag the new slot, "
+        "check every row before the forward reads it",
+        part="owner",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free", Kind.AFTER,
+        "glm53_serving.kv_owner:reset_after_free", ("self", "free_index"),
+        "page size 1: a freed slot has no owner (every free path ends here)",
+        part="owner",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", Kind.AFTER,
+        "glm53_serving.kv_owner:reset_after_release", ("self",),
+        "paged pools: a freed page has no owner (free, free_page_ids and free groups end here)",
+        part="owner",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear", Kind.AFTER,
+        "glm53_serving.kv_owner:reset_after_clear", ("self",),
+        "page size 1: after a cache flush every slot is free and unowned",
+        part="owner",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear", Kind.AFTER,
+        "glm53_serving.kv_owner:reset_after_clear", ("self",),
+        "paged pools: after a cache flush every page is free and unowned",
+        part="owner",
+    ),
+    # --- PD handoff length check (kv_handoff.py) --------------------------------------------
+    Hook(
+        "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf", Kind.AFTER,
+        "glm53_serving.kv_handoff:carry_prompt_length", ("self", "req"),
+        "PD prefill: carry the prompt length it sent KV for in a spare metadata slot",
+        part="handoff",
+    ),
+    Hook(
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", Kind.AFTER,
+        "glm53_serving.kv_handoff:check_prompt_length", ("self", "decode_req"),
+        "PD decode: abort a request whose transfer did not cover exactly the pages pre-allocated "
+        "for its prompt, before its first decode step",
+        part="handoff",
+    ),
+    # --- the HTTP side of a KV abort (http_guard.py) ----------------------------------------
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_abort_finish_reason", Kind.BEFORE,
+        "glm53_serving.http_guard:contract_abort_hook", ("self", "out", "state", "is_stream"),
+        "a scheduler abort with one of our KV codes becomes the contract's 500 body (upstream "
+        "sends its own body, or an error inside a 200 stream)",
     ),
     # --- CPU development stack only (glm53_serving/cpu.py) ----------------------------------
     Hook(
@@ -142,9 +209,11 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 
-def active_hooks(*, cpu: bool, guards: bool) -> tuple[Hook, ...]:
-    """The rows that apply to a process on this platform with guards on or off."""
-    return tuple(h for h in HOOKS if (cpu or not h.cpu_only) and (guards or not h.guard))
+def active_hooks(*, cpu: bool, guards: bool, parts_off: frozenset[str] = frozenset()) -> tuple[Hook, ...]:
+    """The rows that apply to a process on this platform with guards on or off and the KV guard
+    parts in `parts_off` switched off."""
+    return tuple(h for h in HOOKS if (cpu or not h.cpu_only) and (guards or not h.guard)
+                 and h.part not in parts_off)
 
 
 def _split(target: str) -> tuple[Any, str]:

@@ -91,6 +91,23 @@ class HardRejectMiddleware:
             _slot.reset(token)
 
 
+# FINISH_ABORT.err_type values our scheduler-side guards set -> contract code (errors.py)
+_KV_ABORTS = {"kv_isolation_violation": "kv_isolation_violation", "kv_handoff_mismatch": "kv_handoff_mismatch"}
+
+
+def contract_abort_hook(self, out, state, is_stream, *args, **kwargs):
+    """BEFORE TokenizerManager._handle_abort_finish_reason (HTTP process, in the request's own
+    context): a scheduler abort by a KV guard becomes the contract response. Upstream would send
+    its own 500 body, or an error inside a 200 stream; the middleware sends ours instead, before
+    any byte of the upstream response (nothing of the request's output reaches the client)."""
+    reason = (out.get("meta_info") or {}).get("finish_reason") or {}
+    code = _KV_ABORTS.get(reason.get("err_type")) if reason.get("type") == "abort" else None
+    if code is not None:
+        reject(ClientError(code, reason.get("message") or code, details={"rid": getattr(state.obj, "rid", None)}),
+               reason=code)
+    return None
+
+
 def install_middleware_hook(*args, **kwargs):
     """BEFORE http_server.launch_server: add the middlewares while the app can still take them
     (the tenant guard inside, so that its 401/403 are counted with the slot in place)."""

@@ -13,13 +13,14 @@ it reads zeros instead.
 How: an AFTER hook on each allocation method of the supported allocators zeroes the returned
 slots with one indexed fill per layer buffer (batched per allocation, never a loop per page).
 A server whose allocator or pool this module does not know how to zero refuses to start.
-Still to come (see the KV-hygiene issue): owner tags and the per-read owner check.
+Owner tags and the per-read owner check: kv_owner.py.
 """
 
 from __future__ import annotations
 
 import torch
 
+from glm53_serving import kv_owner, plugin
 from glm53_serving.metrics import LazyCounter
 
 # Exact types only: a subclass may allocate through paths these hooks do not see.
@@ -43,6 +44,7 @@ def layer_buffers(pool) -> list[torch.Tensor]:
 
 
 MAX_RUNS_AS_SLICES = 4  # an allocation in at most this many contiguous runs is zeroed slice by slice
+SMALL_ALLOC = 64  # slots; at most this many are always zeroed by one indexed fill per buffer
 
 
 def zero_slots(pool, slots: torch.Tensor) -> None:
@@ -52,7 +54,9 @@ def zero_slots(pool, slots: torch.Tensor) -> None:
     rows are filled as 8-byte words where they can be."""
     if slots.numel() == 0:
         return
-    runs = _runs(slots) if slots.device.type == "cpu" else None  # finding runs on a GPU would sync
+    # Finding runs costs a sort and a host copy: worth it for prefill-sized allocations only (and
+    # never on a GPU, where it would sync); a decode step's few slots take the indexed fill.
+    runs = _runs(slots) if slots.device.type == "cpu" and slots.numel() > SMALL_ALLOC else None
     for buf in layer_buffers(pool):
         rows = _as_words(buf)
         if runs is not None and len(runs) <= MAX_RUNS_AS_SLICES:
@@ -89,11 +93,14 @@ def zero_after_alloc(result, self, *args, **kwargs):
     return result
 
 
-def publish_after_zeroing(result, self, *args, **kwargs):
-    """AFTER DecodePreallocQueue._pre_alloc: the fills above are queued on the device stream;
+def publish_after_zeroing(result, self, req, *args, **kwargs):
+    """AFTER DecodePreallocQueue._pre_alloc: tag the destination with req's owner (kv_owner.py),
+    then publish. The fills above are queued on the device stream;
     wait for them before the page indices can be published to prefill, whose writes land over
     the network and do not wait for our stream (vLLM zeroed after the transfer and clobbered
     landed KV; this is the other order). CPU ops are synchronous already."""
+    if plugin.kv_part_on("owner"):
+        kv_owner.tag_prealloc(result, self, req)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()
     return result

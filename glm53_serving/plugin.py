@@ -7,6 +7,11 @@ recorded problem into a refusal to start.
 
 `GLM53_SERVING_DISABLE=1`, and only that exact value, switches the guards off; the server then
 says so in every process's log and in `/server_info` (`glm53_serving.active == false`).
+
+`GLM53_KV_GUARD_OFF=<parts>` (comma-separated, from `hooks.KV_PARTS`: zero, owner, handoff)
+switches off only those parts of the KV guard; unset or empty keeps all of them, an unknown part
+is refused. Switched-off parts are logged at start-up and listed in `/server_info`
+(`glm53_serving.kv_guard`).
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from glm53_serving import hooks
 logger = logging.getLogger("glm53_serving")
 
 DISABLE_ENV = "GLM53_SERVING_DISABLE"
+KV_OFF_ENV = "GLM53_KV_GUARD_OFF"
 
 _active: tuple[hooks.Hook, ...] = ()
 _problems: list[str] = []
 _disabled = False
+_kv_off: frozenset[str] = frozenset()
 _registered = False
 
 
@@ -36,6 +43,20 @@ def guards_disabled() -> bool:
     raise ValueError(f"{DISABLE_ENV}={raw!r}: set it to 1 to disable the guards, or unset it")
 
 
+def kv_parts_off() -> frozenset[str]:
+    """The KV guard parts switched off explicitly; anything unknown is refused (fail closed)."""
+    parts = frozenset(p.strip() for p in os.environ.get(KV_OFF_ENV, "").split(",") if p.strip())
+    unknown = parts - set(hooks.KV_PARTS)
+    if unknown:
+        raise ValueError(f"{KV_OFF_ENV}: unknown part(s) {sorted(unknown)}; known: {', '.join(hooks.KV_PARTS)}")
+    return parts
+
+
+def kv_part_on(part: str) -> bool:
+    assert part in hooks.KV_PARTS, part
+    return _registered and not _disabled and part not in _kv_off
+
+
 def _is_cpu() -> bool:
     from sglang.srt.utils import is_cpu
 
@@ -43,7 +64,7 @@ def _is_cpu() -> bool:
 
 
 def register() -> None:
-    global _active, _disabled, _registered
+    global _active, _disabled, _kv_off, _registered
     if _registered:
         return
     _registered = True
@@ -56,7 +77,8 @@ def register() -> None:
         _problems.append(f"registering the start-up handshake failed: {type(e).__name__}: {e}")
     try:
         _disabled = guards_disabled()
-        rows = hooks.active_hooks(cpu=_is_cpu(), guards=not _disabled)
+        _kv_off = kv_parts_off()
+        rows = hooks.active_hooks(cpu=_is_cpu(), guards=not _disabled, parts_off=_kv_off)
         hooks.register(tuple(h for h in rows if h not in handshake))
         _active = rows
     except Exception as e:  # noqa: BLE001
@@ -68,6 +90,10 @@ def register() -> None:
             "!! admission limits, KV isolation or tenant isolation. Never expose it to tenants.\n%s",
             "!" * 78, DISABLE_ENV, "!" * 78,
         )
+    elif _kv_off:
+        logger.warning(
+            "!! glm53_serving KV guard parts switched OFF (%s=%s): %s. This server does NOT enforce "
+            "them; never expose it to tenants.", KV_OFF_ENV, os.environ.get(KV_OFF_ENV), ", ".join(sorted(_kv_off)))
 
 
 def problems(process: str) -> list[str]:
@@ -94,5 +120,7 @@ def status() -> dict:
         "active": not _disabled,
         "version": __version__,
         "disabled_by": f"{DISABLE_ENV}=1" if _disabled else None,
+        "kv_guard": {part: not _disabled and part not in _kv_off for part in hooks.KV_PARTS},
+        "kv_guard_off_by": f"{KV_OFF_ENV}={os.environ.get(KV_OFF_ENV)}" if _kv_off and not _disabled else None,
         "hooks": [h.target for h in _active],
     }

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import os
 
-from glm53_serving import admission, http_guard, intake, kv_guard, plugin, tenant_guard
+from glm53_serving import admission, http_guard, intake, kv_guard, kv_owner, plugin, tenant_guard
 from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
@@ -92,7 +92,10 @@ def scheduler_verified_info(result: dict, self) -> dict:
         except (TypeError, ValueError) as e:
             deployment, problems = None, [*problems, f"{admission.LIMITS_ENV} is malformed: {e}"]
         problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
-        problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
+        if plugin.kv_part_on("zero") or plugin.kv_part_on("owner"):
+            problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
+        if plugin.kv_part_on("owner"):
+            problems += kv_owner.allocator_problems(self.token_to_kv_pool_allocator)
     if problems:
         raise _refuse("scheduler", problems)
     result[STATUS_KEY] = {**plugin.status(), "capacity": dataclasses.asdict(cap)}

@@ -1,10 +1,13 @@
-"""Cost of zero-before-reuse against upstream, in one run, on this machine's real SGLang pools.
+"""Cost of the KV guard against upstream, in one run, on this machine's real SGLang pools.
 
     python -m glm53_serving.bench.kv_zeroing [--layers 16] [--slots 65536] [--alloc 4096]
 
-Prints (1) zeroing bandwidth of kv_guard's batched indexed fill vs. torch.zero_ on a contiguous
-buffer of the same byte size (the memset limit), and (2) allocator operations per second with
-and without the zeroing hook, for a prefill-sized allocation and a decode step (1 slot).
+Prints (1) zeroing bandwidth of kv_guard's batched fill vs. torch.zero_ on a contiguous buffer of
+the same byte size (the memset limit), (2) allocator operations per second upstream, with
+zeroing, and with zeroing + owner tags (claim on alloc, reset on free), for a prefill-sized
+allocation and a decode step (1 slot), and (3) the owner check's cost per batch build (one
+gather + compare over every row position the batch will read). End-to-end tokens/s with the
+guards on vs. off: `python -m glm53_serving.bench.serving kv_guard`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import torch  # noqa: E402
 
-from glm53_serving import kv_guard  # noqa: E402
+from glm53_serving import kv_guard, kv_owner  # noqa: E402
 
 
 def best_of(fn, repeat: int, inner: int) -> float:
@@ -65,19 +68,45 @@ def main(argv=None) -> None:
         t_zero = best_of(lambda: kv_guard.zero_slots(pool, idx), 5, 5)
         print(f"zeroing {a.alloc} slots, {label}: {nbytes / t_zero / 1e9:.2f} GB/s -> {t_memset / t_zero:.2f}x of memset")
 
-    # (2) allocator ops/s, upstream vs guarded, same allocator
-    def cycle(n, guarded):
+    # (2) allocator ops/s: upstream, + zeroing, + zeroing and owner tags; same allocator
+    owner = kv_owner.namespace_id("bench-tenant", None)
+
+    def cycle(n, zero, tags):
+        owners = torch.full((n,), owner, dtype=torch.int64)
+
         def run():
             got = alloc.alloc(n)
-            if guarded:
+            if zero:
                 kv_guard.zero_after_alloc(got, alloc, n)
+            if tags:
+                kv_owner.claim(alloc, got, owners)
             alloc.free(got)
+            if tags:
+                kv_owner.reset_after_free(None, alloc, got)
         return run
 
     for label, n, inner in (("prefill-sized alloc+free", a.alloc, 20), ("decode step alloc+free (1 slot)", 1, 2000)):
-        up, guarded = best_of(cycle(n, False), 5, inner), best_of(cycle(n, True), 5, inner)
-        print(f"{label}: upstream {1 / up:,.0f} ops/s, guarded {1 / guarded:,.0f} ops/s -> ratio {up / guarded:.3f}x "
-              f"(+{(guarded - up) * 1e6:.1f} us per op)")
+        up = best_of(cycle(n, False, False), 5, inner)
+        zero = best_of(cycle(n, True, False), 5, inner)
+        tagged = best_of(cycle(n, True, True), 5, inner)
+        print(f"{label}: upstream {1 / up:,.0f} ops/s, +zeroing {1 / zero:,.0f} ops/s ({up / zero:.3f}x, "
+              f"+{(zero - up) * 1e6:.1f} us), +zeroing+tags {1 / tagged:,.0f} ops/s ({up / tagged:.3f}x, "
+              f"tags +{(tagged - zero) * 1e6:.1f} us per op)")
+
+    # (3) the owner check per batch build: rows of every request, all positions < length
+    for bs, length in ((8, 2048), (64, 256), (8, 160)):
+        lens = torch.full((bs,), length, dtype=torch.int64)
+        r2t = torch.zeros(bs + 1, length, dtype=torch.int32)
+        got = alloc.alloc(bs * length)
+        kv_owner.claim(alloc, got, torch.full_like(got, owner))
+        r2t[1:] = got.view(bs, length).to(torch.int32)
+        rows, owners = torch.arange(1, bs + 1), torch.full((bs,), owner, dtype=torch.int64)
+        t = best_of(lambda: bool(kv_owner.foreign(alloc, r2t, rows, lens, length, owners).any()), 5, 20)
+        assert not kv_owner.foreign(alloc, r2t, rows, lens, length, owners).any()
+        print(f"owner check, batch {bs} x {length} positions: {t * 1e6:.1f} us per batch build "
+              f"({t * 1e9 / (bs * length):.2f} ns per position)")
+        alloc.free(got)
+        kv_owner.reset_after_free(None, alloc, got)
 
 
 if __name__ == "__main__":

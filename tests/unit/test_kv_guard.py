@@ -88,6 +88,10 @@ def test_zeroing_is_batched_per_buffer_never_a_loop_per_slot(monkeypatch):
     for name in ("index_fill_", "zero_"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real: calls.append(_n) or _r(self, *a))
+    kv_guard.zero_slots(pool, torch.arange(1, 9))  # a decode step's few slots: one indexed fill per buffer
+    assert calls == ["index_fill_"] * (2 * LAYERS)
+    calls.clear()
+    monkeypatch.setattr(kv_guard, "SMALL_ALLOC", 16)
     kv_guard.zero_slots(pool, torch.arange(1, 41))  # one contiguous run: one slice fill per buffer
     assert calls == ["zero_"] * (2 * LAYERS)
     calls.clear()

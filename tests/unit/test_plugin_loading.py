@@ -23,7 +23,7 @@ print("RESULT" + json.dumps({"problems": plugin.problems("http"), "status": plug
 
 
 def run_probe(**env):
-    e = {k: v for k, v in os.environ.items() if k != "GLM53_SERVING_DISABLE"}
+    e = {k: v for k, v in os.environ.items() if k not in ("GLM53_SERVING_DISABLE", "GLM53_KV_GUARD_OFF")}
     e.update(SGLANG_USE_CPU_ENGINE="1", **env)
     out = subprocess.run([sys.executable, "-c", PROBE], env=e, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -57,3 +57,20 @@ def test_explicit_disable_is_reported_not_hidden():
 def test_ambiguous_disable_value_fails_closed(value):
     res, _ = run_probe(GLM53_SERVING_DISABLE=value)
     assert any("GLM53_SERVING_DISABLE" in p for p in res["problems"]), res
+
+
+def test_switching_kv_guard_parts_off_is_explicit_announced_and_drops_only_their_rows():
+    from glm53_serving.hooks import HOOKS
+
+    res, err = run_probe(GLM53_KV_GUARD_OFF="owner,handoff")
+    assert res["problems"] == []
+    st = res["status"]
+    assert st["active"] is True and st["kv_guard"] == {"zero": True, "owner": False, "handoff": False}
+    assert st["kv_guard_off_by"] == "GLM53_KV_GUARD_OFF=owner,handoff"
+    assert set(st["hooks"]) == {h.target for h in HOOKS if h.part not in ("owner", "handoff")}
+    assert "KV guard parts switched OFF" in err
+
+
+def test_an_unknown_kv_guard_part_fails_closed():
+    res, _ = run_probe(GLM53_KV_GUARD_OFF="zeroing")
+    assert any("GLM53_KV_GUARD_OFF" in p and "zeroing" in p for p in res["problems"]), res

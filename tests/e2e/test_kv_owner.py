@@ -1,0 +1,174 @@
+"""KV owner check and PD handoff length check on real servers, under injected faults.
+
+The faults come from tests/support/kv_fault (a test-only sitecustomize, active only with its env
+vars): a request whose rid carries a marker gets another namespace's live slot written into its
+KV row (or its page's owner tag corrupted), or, in PD, a handoff length one token short. That
+request must fail alone with the contract's 500 body; everything else keeps its exact greedy
+output and the server stays healthy."""
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.launcher import launch
+
+pytestmark = pytest.mark.e2e
+
+KV_FAULT = str(Path(__file__).resolve().parents[1] / "support" / "kv_fault")
+PROMPT = [(i * 7) % 300 + 5 for i in range(40)]
+
+
+def _env(tmp_path):
+    return {"PYTHONPATH": KV_FAULT, "GLM53_TEST_KV_FOREIGN": "kvfault-foreign",
+            "GLM53_TEST_KV_SHORT_HANDOFF": "kvfault-short",
+            "GLM53_TEST_KV_FOREIGN_DECODE": "kvfault-decode",
+            "GLM53_TEST_KV_POISON_TAIL": "kvfault-poison", "GLM53_TEST_KV_LOG": str(tmp_path / "kv-events.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def faulty_single(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kv-fault-single")
+    run = launch(tmp, "--topology", "single", env=_env(tmp))
+    yield run
+    run.stop()
+
+
+@pytest.fixture(scope="module")
+def faulty_pd(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kv-fault-pd")
+    run = launch(tmp, "--topology", "pd", env=_env(tmp))
+    run.events = tmp / "kv-events.jsonl"
+    yield run
+    run.stop()
+
+
+def generate(run, rid=None, stream=False, salt=None, prompt=PROMPT):
+    body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                        "ignore_eos": True}}
+    if rid:
+        body["rid"] = rid
+    if salt:
+        body["cache_salt"] = salt
+    return httpx.post(f"{run.url}/generate", json=body, timeout=120, headers=run.client_headers())
+
+
+def metric(url, name, headers, **labels) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30, headers=headers).text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def assert_contract_500(r, code):
+    assert r.status_code == 500, (r.status_code, r.text[:500])
+    err = r.json()["error"]  # the whole body is the contract error, no generated text anywhere
+    assert err["code"] == code and err["type"] == "server_error", err
+    assert "output_ids" not in r.text and '"text"' not in r.text
+
+
+def _isolation_scenario(run, worker_name):
+    reference = generate(run)
+    assert reference.status_code == 200, reference.text
+    expected = reference.json()["output_ids"]
+    worker = run.worker(worker_name)
+    before = metric(worker, "glm53_kv_isolation_violations_total", run.worker_headers())
+
+    results = {}
+
+    def normal(k):
+        results[k] = generate(run)
+
+    others = [threading.Thread(target=normal, args=(k,)) for k in range(3)]
+    for t in others:
+        t.start()
+    # Another namespace: its row gets the default namespace's cached prompt slot written in.
+    victim = generate(run, rid="kvfault-foreign-1", salt="tenant-x")
+    streamed = generate(run, rid="kvfault-foreign-2", salt="tenant-x", stream=True)
+    for t in others:
+        t.join()
+
+    assert_contract_500(victim, "kv_isolation_violation")
+    assert_contract_500(streamed, "kv_isolation_violation")
+    for k, r in results.items():
+        assert r.status_code == 200 and r.json()["output_ids"] == expected, (k, r.text[:300])
+    after = generate(run)
+    assert after.status_code == 200 and after.json()["output_ids"] == expected
+    salted = generate(run, salt="tenant-x", rid="clean-tenant-x")  # the namespace itself still works
+    assert salted.status_code == 200 and salted.json()["output_ids"] == expected
+    assert httpx.get(f"{run.url}/health", timeout=30, headers=run.client_headers()).status_code == 200
+    assert metric(worker, "glm53_kv_isolation_violations_total", run.worker_headers()) >= before + 2
+
+
+def test_a_row_reaching_another_namespaces_kv_fails_that_request_alone(faulty_single):
+    _isolation_scenario(faulty_single, "server")
+    checked = metric(faulty_single.worker("server"), "glm53_kv_owner_checked_requests_total",
+                     faulty_single.worker_headers())
+    assert checked > 0
+
+
+def test_stale_row_residue_beyond_the_length_is_never_read(faulty_single):
+    """Rows are reused without clearing (upstream); fill everything past the request's length
+    with another namespace's live slot at every batch build: same output, no violation."""
+    run, worker = faulty_single, faulty_single.worker("server")
+    expected = generate(run).json()["output_ids"]
+    before = metric(worker, "glm53_kv_isolation_violations_total", run.worker_headers())
+    for k in range(2):
+        r = generate(run, rid=f"kvfault-poison-{k}", salt="tenant-y")
+        assert r.status_code == 200 and r.json()["output_ids"] == expected, r.text[:300]
+    assert metric(worker, "glm53_kv_isolation_violations_total", run.worker_headers()) == before
+    events = [json.loads(line) for line in (run.run_dir / "kv-events.jsonl").read_text().splitlines()]
+    poisoned = [e for e in events if e.get("fault") == "poison_tail"]
+    assert {e["where"] for e in poisoned} == {"extend", "decode"}
+
+
+def test_a_foreign_index_at_a_decode_step_fails_that_request_alone(faulty_single):
+    run = faulty_single
+    expected = generate(run).json()["output_ids"]
+    r = generate(run, rid="kvfault-decode-1", salt="tenant-z")
+    assert_contract_500(r, "kv_isolation_violation")
+    assert metric(run.worker("server"), "glm53_kv_isolation_violations_total", run.worker_headers(),
+                  where="decode") >= 1
+    again = generate(run, salt="tenant-z")
+    assert again.status_code == 200 and again.json()["output_ids"] == expected
+
+
+def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroed_pages(faulty_pd):
+    run = faulty_pd
+    decode = run.worker("decode-0")
+    reference = generate(run)
+    assert reference.status_code == 200, reference.text
+    expected = reference.json()["output_ids"]
+
+    # Decode's first step after the transfer finds a foreign index in the row: that request fails
+    # (the router retries a 5xx; every attempt is faulted and fails the same way).
+    victim = generate(run, rid="kvfault-decode-pd")
+    assert 500 <= victim.status_code < 600 and "output_ids" not in victim.text, victim.text[:300]
+    assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="decode") >= 1
+
+    # The transfer reports one prompt token fewer than decode pre-allocated: aborted before decoding.
+    short = generate(run, rid="kvfault-short-1")
+    assert 500 <= short.status_code < 600 and "output_ids" not in short.text, short.text[:300]
+    assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= 1
+
+    # The servers stay up. The router, though, counts each 500 (and its retries) as a worker
+    # failure and opens its circuit breaker for a while (see docs/architecture.md, known limits).
+    for name in ("prefill-0", "decode-0"):
+        assert httpx.get(f"{run.worker(name)}/health", timeout=30, headers=run.worker_headers()).status_code == 200
+    deadline = time.monotonic() + 180
+    while (again := generate(run)).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(5)
+    assert again.status_code == 200 and again.json()["output_ids"] == expected, again.text[:300]
+
+    # Ordering: at the moment decode sends a destination's page indices, every page reads zero.
+    events = [json.loads(line) for line in run.events.read_text().splitlines()]
+    published = [e for e in events if e.get("event") == "publish"]
+    assert len(published) >= 4, events
+    assert all(e["all_zero"] for e in published), [e for e in published if not e["all_zero"]]
+    assert any(e.get("fault") == "short_handoff" for e in events)

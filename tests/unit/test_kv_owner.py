@@ -1,0 +1,347 @@
+"""Owner tags and the read check, on the real SGLang allocators and pools (CPU), by stateful property test.
+
+The hook functions are exactly what HookRegistry wraps around SGLang in a server (the e2e tests
+prove the wiring); here they wrap the real allocators by hand so that random multi-owner
+alloc/extend/decode/prefix-share/evict/free sequences run many times. Requests are modelled
+the way the scheduler drives the allocators: a row in a req_to_token table, a prefix shared
+through a cache that keys on the namespace (as the radix key does), extension and decode slots
+from `alloc`/`alloc_extend`/`alloc_decode`."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from glm53_serving import kv_guard, kv_owner
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+SIZE, LAYERS, ROWS, MAXLEN = 64, 2, 12, 48
+OWNERS = [kv_owner.namespace_id(None, None), kv_owner.namespace_id("tenant-a", None),
+          kv_owner.namespace_id("tenant-b", None), kv_owner.namespace_id(None, "lora-x")]
+
+
+def make(page_size, mla=False):
+    if mla:
+        pool = MLATokenToKVPool(SIZE, page_size, torch.float32, 16, 8, LAYERS, "cpu", False)
+    else:
+        pool = MHATokenToKVPool(SIZE, page_size, torch.float32, 2, 4, LAYERS, "cpu", False)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(SIZE, torch.float32, "cpu", pool, False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(SIZE, page_size, torch.float32, "cpu", pool, False)
+    return pool, alloc
+
+
+def guarded(alloc, result):
+    """What the AFTER hooks do to an allocation: zero it (kv_guard)."""
+    return kv_guard.zero_after_alloc(result, alloc)
+
+
+def free(alloc, slots):
+    """The allocator's free with the owner-reset hooks applied (as HookRegistry wraps it)."""
+    if isinstance(alloc, PagedTokenToKVPoolAllocator):
+        pages = torch.unique(slots // alloc.page_size)
+        alloc._release_page_ids(pages)
+        kv_owner.reset_after_release(None, alloc, pages)
+    else:
+        alloc.free(slots)
+        kv_owner.reset_after_free(None, alloc, slots)
+
+
+def test_namespace_ids_are_stable_nonzero_and_distinct():
+    assert kv_owner.namespace_id(None, None) == kv_owner.DEFAULT_NAMESPACE == 1
+    assert len(set(OWNERS)) == len(OWNERS) and all(0 < o < 2**63 for o in OWNERS)
+    assert kv_owner.namespace_id("tenant-a", None) == OWNERS[1]  # stable across calls and processes
+    assert kv_owner.namespace_id("a", "b") != kv_owner.namespace_id("b", "a")
+
+
+class OwnerTags(RuleBasedStateMachine):
+    page_size = 1
+    mla = False
+
+    def __init__(self):
+        super().__init__()
+        self.pool, self.alloc = make(self.page_size, self.mla)
+        self.p = self.alloc.page_size
+        self.r2t = torch.zeros(ROWS, MAXLEN, dtype=torch.int32)
+        self.free_rows = list(range(1, ROWS))
+        self.live: dict[int, dict] = {}  # row -> {"owner", "len", "shared": prefix len held by the cache}
+        self.cache: list[dict] = []  # cached prefixes: {"owner", "slots", "users"}
+        kv_owner.tags_of(self.alloc)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _row(self, row, n):
+        return self.r2t[row, :n].to(torch.int64)
+
+    def _check(self, row, owner, n) -> torch.Tensor:
+        return kv_owner.foreign(self.alloc, self.r2t, torch.tensor([row]), torch.tensor([n]), MAXLEN,
+                                torch.tensor([owner]))[0]
+
+    def _claim(self, slots, owner):
+        kv_owner.claim(self.alloc, slots, torch.full((slots.numel(),), owner, dtype=torch.int64))
+
+    def _fresh_reads_zero(self, slots):
+        for buf in kv_guard.layer_buffers(self.pool):
+            assert torch.count_nonzero(buf[slots]) == 0, "a page given to a new owner holds a previous owner's KV"
+
+    def _write(self, slots, owner):
+        for buf in kv_guard.layer_buffers(self.pool):
+            buf[slots] = float(owner % 1000 + 1)
+
+    # -- rules --------------------------------------------------------------------------------
+    @precondition(lambda self: self.free_rows)
+    @rule(owner=st.sampled_from(OWNERS), n=st.integers(1, 24), share=st.booleans())
+    def extend(self, owner, n, share):
+        prefix = next((c for c in self.cache if c["owner"] == owner), None) if share else None
+        pre = prefix["slots"] if prefix is not None else torch.empty(0, dtype=torch.int64)
+        total = pre.numel() + n
+        if total > MAXLEN:
+            return
+        if self.p == 1:
+            new = self.alloc.alloc(n)
+        else:
+            last = pre[-1:] if pre.numel() else torch.tensor([-1])
+            new = self.alloc.alloc_extend(torch.tensor([pre.numel()]), torch.tensor([pre.numel()]),
+                                          torch.tensor([total]), torch.tensor([total]), last, n)
+        if new is None:
+            return
+        new = guarded(self.alloc, new)
+        self._fresh_reads_zero(new)
+        self._claim(new, owner)
+        row = self.free_rows.pop()
+        self.r2t[row, : pre.numel()] = pre.to(torch.int32)
+        self.r2t[row, pre.numel(): total] = new.to(torch.int32)
+        assert not self._check(row, owner, total).any(), "an owner failed the check on its own pages"
+        self._write(new, owner)
+        if prefix is not None:
+            prefix["users"] += 1
+        self.live[row] = {"owner": owner, "len": total, "shared": pre.numel(), "prefix": prefix}
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 100))
+    def decode(self, pick):
+        row = sorted(self.live)[pick % len(self.live)]
+        r = self.live[row]
+        if r["len"] >= MAXLEN:
+            return
+        if self.p == 1:
+            new = self.alloc.alloc(1)
+        else:
+            last = self.r2t[row, r["len"] - 1: r["len"]].to(torch.int64)
+            new = self.alloc.alloc_decode(torch.tensor([r["len"] + 1]), torch.tensor([r["len"] + 1]), last)
+        if new is None:
+            return
+        new = guarded(self.alloc, new)
+        self._claim(new, r["owner"])
+        self.r2t[row, r["len"]] = int(new[0])
+        r["len"] += 1
+        assert not self._check(row, r["owner"], r["len"]).any()
+        self._write(new, r["owner"])
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 100), keep=st.booleans())
+    def finish(self, pick, keep):
+        """Release a request; with `keep`, its whole pages become a cached prefix (the radix insert)."""
+        row = sorted(self.live)[pick % len(self.live)]
+        r = self.live.pop(row)
+        slots = self._row(row, r["len"])
+        own = slots[r["shared"]:]
+        if r["prefix"] is not None:
+            r["prefix"]["users"] -= 1
+        if keep and r["prefix"] is None:
+            whole = r["len"] // self.p * self.p
+            if whole:
+                self.cache.append({"owner": r["owner"], "slots": slots[:whole].clone(), "users": 0})
+                own = slots[whole:]
+        if own.numel():
+            free(self.alloc, own)
+        self.free_rows.append(row)
+
+    @precondition(lambda self: any(c["users"] == 0 for c in self.cache))
+    @rule(pick=st.integers(0, 100))
+    def evict(self, pick):
+        idle = [c for c in self.cache if c["users"] == 0]
+        c = idle[pick % len(idle)]
+        self.cache = [x for x in self.cache if x is not c]
+        free(self.alloc, c["slots"])
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 100), pos=st.integers(0, MAXLEN - 1), other=st.integers(0, SIZE))
+    def foreign_index_is_caught_and_stale_tail_is_ignored(self, pick, pos, other):
+        """Poison one row position with another slot: the check flags it iff the position is
+        inside the row's length and the slot's page is not the row owner's."""
+        row = sorted(self.live)[pick % len(self.live)]
+        r = self.live[row]
+        saved = self.r2t[row].clone()
+        slot = other % (SIZE + self.p)  # any slot id, owned by anyone or free
+        self.r2t[row, pos] = slot
+        bad = self._check(row, r["owner"], r["len"])
+        page_owner = int(kv_owner.tags_of(self.alloc)[slot // self.p])
+        assert bool(bad[pos]) == (pos < r["len"] and page_owner != r["owner"])
+        assert int(bad.sum()) == int(bad[pos])  # nothing else flagged, nothing beyond the length
+        self.r2t[row] = saved
+
+    # -- invariants ---------------------------------------------------------------------------
+    @invariant()
+    def each_page_has_exactly_one_owner_or_is_free(self):
+        tags = kv_owner.tags_of(self.alloc)
+        expected = torch.zeros_like(tags)
+        held = []
+        for c in self.cache:
+            held.append((c["slots"], c["owner"]))
+        for row, r in self.live.items():
+            held.append((self._row(row, r["len"])[r["shared"]:], r["owner"]))
+        for slots, owner in held:
+            pages = torch.unique(slots // self.p)
+            assert ((expected[pages] == 0) | (expected[pages] == owner)).all(), "a page is held by two owners"
+            expected[pages] = owner
+        free_pages = self.alloc.get_all_free_pages()
+        assert (tags[free_pages] == 0).all(), "a free page still carries an owner"
+        assert torch.equal(tags, expected), "tags disagree with who holds the pages"
+
+    @invariant()
+    def no_page_leaks(self):
+        used = sum(int(torch.unique(self._row(row, r["len"])[r["shared"]:] // self.p).numel())
+                   for row, r in self.live.items())
+        used += sum(int(torch.unique(c["slots"] // self.p).numel()) for c in self.cache)
+        assert used * self.p + self.alloc.available_size() == SIZE
+
+
+class OwnerTagsPaged(OwnerTags):
+    page_size = 4
+
+
+class OwnerTagsMLA(OwnerTags):
+    page_size = 4
+    mla = True
+
+
+_settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestOwnerTags = OwnerTags.TestCase
+TestOwnerTags.settings = _settings
+TestOwnerTagsPaged = OwnerTagsPaged.TestCase
+TestOwnerTagsPaged.settings = _settings
+TestOwnerTagsMLA = OwnerTagsMLA.TestCase
+TestOwnerTagsMLA.settings = _settings
+
+
+# --- the batch-level hooks and a violation, on a minimal stand-in for ScheduleBatch -----------
+
+def _batch(alloc, reqs, rows, lens):
+    r2t = torch.zeros(ROWS, MAXLEN, dtype=torch.int32)
+    tree = SimpleNamespace(token_to_kv_pool_allocator=alloc, supports_prefix_sharing=lambda: False)
+    return SimpleNamespace(tree_cache=tree, req_to_token_pool=SimpleNamespace(req_to_token=r2t), reqs=reqs,
+                           req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens),
+                           seq_lens_cpu=torch.tensor(lens))
+
+
+def _req(rid, salt, protected=0):
+    return SimpleNamespace(rid=rid, cache_salt=salt, extra_key=None, to_finish=None, skip_radix_cache_insert=False,
+                           kv=SimpleNamespace(cache_protected_len=protected))
+
+
+def _check(batch, new=None):
+    n = len(batch.reqs)
+    new = new or kv_owner._Fresh(starts=batch.seq_lens_cpu.tolist(), slots=torch.empty(0, dtype=torch.int64),
+                                 offsets=[0] * (n + 1))
+    kv_owner.check_batch(batch, batch.req_pool_indices, batch.seq_lens, int(batch.seq_lens_cpu.max()),
+                         kv_owner._owners(batch.reqs, "cpu"), new, where="decode")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_violation_aborts_only_that_request_and_its_forward_reads_zeros(page_size, caplog):
+    pool, alloc = make(page_size)
+    a, b = _req("a", "tenant-a"), _req("victim-b", "tenant-b")
+    batch = _batch(alloc, [a, b], [1, 2], [8, 8])
+    sa, sb = guarded(alloc, alloc.alloc(8)), guarded(alloc, alloc.alloc(8))
+    for req, slots, row in ((a, sa, 1), (b, sb, 2)):
+        kv_owner.claim(alloc, slots, torch.full((8,), kv_owner.owner_of(req)))
+        batch.req_to_token_pool.req_to_token[row, :8] = slots.to(torch.int32)
+        pool.k_buffer[0][slots] = 5.0
+    _check(batch)
+    assert a.to_finish is None and b.to_finish is None  # clean batch: nothing happens
+
+    batch.req_to_token_pool.req_to_token[2, 3] = int(sa[0])  # b's row now points at a's KV
+    free_before = alloc.available_size()
+    _check(batch)
+    assert a.to_finish is None, "a violation must abort only the request that would read foreign KV"
+    assert b.to_finish.status_code == 500 and b.to_finish.err_type == "kv_isolation_violation"
+    assert b.skip_radix_cache_insert
+    row_b = batch.req_to_token_pool.req_to_token[2, :8].to(torch.int64)
+    assert not torch.isin(row_b, sa).any(), "b's row still reaches a's pages"
+    assert torch.count_nonzero(pool.k_buffer[0][row_b[3]]) == 0, "the redirected page must read zeros"
+    assert not kv_owner.foreign(alloc, batch.req_to_token_pool.req_to_token, torch.tensor([2]), torch.tensor([8]),
+                                MAXLEN, torch.tensor([kv_owner.owner_of(b)])).any()
+    assert alloc.available_size() == free_before - page_size  # one fresh page, owned by b, freed with it
+    # The overlap scheduler builds one more batch with b before its abort lands: no second repair.
+    _check(batch)
+    assert alloc.available_size() == free_before - page_size
+    assert "victim-b" in caplog.text and "KV isolation violation" in caplog.text
+    assert bool((pool.k_buffer[0][sa] == 5.0).all()), "a's KV must be left untouched"
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_foreign_index_over_a_just_allocated_position_is_undone_without_leaking(page_size):
+    # The row position was filled by this very allocation: the repair puts back the slot the
+    # allocator handed out (zeroed), so the request's release frees exactly what it holds.
+    pool, alloc = make(page_size)
+    a, b = _req("a", "tenant-a"), _req("b", "tenant-b")
+    batch = _batch(alloc, [b], [2], [8])
+    sa = guarded(alloc, alloc.alloc(8))
+    kv_owner.claim(alloc, sa, torch.full((8,), kv_owner.owner_of(a)))
+    sb = guarded(alloc, alloc.alloc(8))
+    kv_owner.claim(alloc, sb, torch.full((8,), kv_owner.owner_of(b)))
+    batch.req_to_token_pool.req_to_token[2, :8] = sb.to(torch.int32)
+    batch.req_to_token_pool.req_to_token[2, 0] = int(sa[5])
+    free_before = alloc.available_size()
+    _check(batch, kv_owner._Fresh(starts=[0], slots=sb, offsets=[0, 8]))
+    assert b.to_finish.err_type == "kv_isolation_violation"
+    assert torch.equal(batch.req_to_token_pool.req_to_token[2, :8].to(torch.int64), sb)
+    assert alloc.available_size() == free_before
+
+
+def test_a_foreign_page_in_the_protected_prefix_reads_the_padding_page_and_is_not_freed():
+    pool, alloc = make(4)
+    a, b = _req("a", "tenant-a"), _req("b", "tenant-b", protected=4)
+    batch = _batch(alloc, [b], [2], [8])
+    sa = guarded(alloc, alloc.alloc(4))
+    kv_owner.claim(alloc, sa, torch.full((4,), kv_owner.owner_of(a)))
+    sb = guarded(alloc, alloc.alloc(4))
+    kv_owner.claim(alloc, sb, torch.full((4,), kv_owner.owner_of(b)))
+    batch.req_to_token_pool.req_to_token[2, :8] = torch.cat([sa, sb]).to(torch.int32)  # a "shared" foreign prefix
+    free_before = alloc.available_size()
+    _check(batch)
+    assert batch.req_to_token_pool.req_to_token[2, :4].tolist() == [0, 1, 2, 3]
+    assert alloc.available_size() == free_before and b.to_finish is not None
+
+
+def test_extend_and_decode_hooks_tag_new_slots_for_each_request():
+    pool, alloc = make(1)
+    a, b = _req("a", "tenant-a"), _req("b", None)
+    batch = _batch(alloc, [a, b], [1, 2], [3, 5])
+    batch.extend_lens, batch.prefix_lens = [3, 5], [0, 0]
+    out = guarded(alloc, alloc.alloc(8))
+    batch.req_to_token_pool.req_to_token[1, :3] = out[:3].to(torch.int32)
+    batch.req_to_token_pool.req_to_token[2, :5] = out[3:].to(torch.int32)
+    kv_owner.tag_and_check_extend((out, batch.req_pool_indices, batch.req_pool_indices), batch)
+    tags = kv_owner.tags_of(alloc)
+    assert tags[out[:3]].tolist() == [kv_owner.owner_of(a)] * 3 and tags[out[3:]].tolist() == [1] * 5
+    assert a.to_finish is None and b.to_finish is None
+    new = guarded(alloc, alloc.alloc(2))
+    batch.req_to_token_pool.req_to_token[1, 3] = int(new[0])
+    batch.req_to_token_pool.req_to_token[2, 5] = int(new[1])
+    kv_owner.tag_and_check_decode(new, batch, token_per_req=1)
+    assert tags[new].tolist() == [kv_owner.owner_of(a), 1] and a.to_finish is None and b.to_finish is None
+
+
+def test_claim_never_relabels_an_owned_page():
+    _, alloc = make(4)
+    slots = alloc.alloc(4)
+    kv_owner.claim(alloc, slots[:2], torch.full((2,), 7))
+    kv_owner.claim(alloc, slots[2:], torch.full((2,), 9))  # same page, another owner: stays 7
+    assert int(kv_owner.tags_of(alloc)[slots[0] // 4]) == 7
