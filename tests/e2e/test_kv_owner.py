@@ -47,14 +47,14 @@ def faulty_pd(tmp_path_factory):
     run.stop()
 
 
-def generate(run, rid=None, stream=False, salt=None, prompt=PROMPT):
+def generate(run, rid=None, stream=False, salt=None, prompt=PROMPT, tenant="demo"):
     body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
                                                                         "ignore_eos": True}}
     if rid:
         body["rid"] = rid
     if salt:
         body["cache_salt"] = salt
-    return httpx.post(f"{run.url}/generate", json=body, timeout=120, headers=run.client_headers())
+    return httpx.post(f"{run.url}/generate", json=body, timeout=120, headers=run.client_headers(tenant))
 
 
 def metric(url, name, headers, **labels) -> float:
@@ -146,10 +146,10 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
     assert reference.status_code == 200, reference.text
     expected = reference.json()["output_ids"]
 
-    # Decode's first step after the transfer finds a foreign index in the row: that request fails
-    # (the router retries a 5xx; every attempt is faulted and fails the same way).
+    # Decode's first step after the transfer finds a foreign index in the row: that request fails.
     victim = generate(run, rid="kvfault-decode-pd")
-    assert 500 <= victim.status_code < 600 and "output_ids" not in victim.text, victim.text[:300]
+    assert victim.status_code == 500 and "output_ids" not in victim.text, victim.text[:300]
+    assert victim.json()["error"]["code"] == "kv_isolation_violation", victim.text[:300]
     assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="decode") >= 1
 
     # The transfer reports one prompt token fewer than decode pre-allocated: aborted before decoding.
@@ -157,14 +157,16 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
     assert 500 <= short.status_code < 600 and "output_ids" not in short.text, short.text[:300]
     assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= 1
 
-    # The servers stay up. The router, though, counts each 500 (and its retries) as a worker
-    # failure and opens its circuit breaker for a while (see docs/architecture.md, known limits).
+    # The servers stay up, and a burst of one tenant's failing requests does not make the router
+    # refuse another tenant (no circuit breaker, no retries: launch/cpu.toml; upstream's defaults
+    # answered everyone 503 for about a minute here).
     for name in ("prefill-0", "decode-0"):
         assert httpx.get(f"{run.worker(name)}/health", timeout=30, headers=run.worker_headers()).status_code == 200
-    deadline = time.monotonic() + 180
-    while (again := generate(run)).status_code == 503 and time.monotonic() < deadline:
-        time.sleep(5)
-    assert again.status_code == 200 and again.json()["output_ids"] == expected, again.text[:300]
+    burst = [generate(run, rid=f"kvfault-decode-burst-{i}", tenant="demo-b").status_code for i in range(6)]
+    assert burst == [500] * 6
+    for _ in range(3):
+        again = generate(run)
+        assert again.status_code == 200 and again.json()["output_ids"] == expected, again.text[:300]
 
     # Ordering: at the moment decode sends a destination's page indices, every page reads zero.
     events = [json.loads(line) for line in run.events.read_text().splitlines()]
