@@ -56,18 +56,23 @@ class RequestValidator:
     def __init__(self, app, tokenizer_manager=None):
         self.app = app
         self.tm = tokenizer_manager
-        self._model = None  # (vocab_size, text_only, verify), from the tokenizer manager on first use
+        self._checks: validation.RequestChecks | None = None  # from the tokenizer manager, on first use
 
-    def _model_facts(self):
-        if self._model is None:
+    def checks(self) -> validation.RequestChecks:
+        if self._checks is None:
             tm = self.tm
             if tm is None:
                 from sglang.srt.entrypoints.http_server import get_global_state
 
                 tm = get_global_state().tokenizer_manager
-            self._model = (tm.model_config.vocab_size, not tm.model_config.is_multimodal,
-                           validation.sglang_verify(tm.tokenizer, tm.sampling_params_class))
-        return self._model
+            from sglang.srt.runtime_context import get_disagg
+
+            pd = (get_disagg().disaggregation_mode or "null") in ("prefill", "decode")
+            self._checks = validation.RequestChecks(
+                tm.model_config.vocab_size, not tm.model_config.is_multimodal,
+                validation.sglang_verify(tm.tokenizer, tm.sampling_params_class),
+                max_n=validation.MAX_N_PD if pd else validation.MAX_N)
+        return self._checks
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
@@ -84,8 +89,7 @@ class RequestValidator:
         try:
             content_type = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), None)
             body = validation.parse_body(raw, content_type)
-            vocab_size, text_only, verify = self._model_facts()
-            validation.check_request(path, body, vocab_size=vocab_size, text_only=text_only, verify=verify)
+            self.checks().check(path, body)
         except ClientError as e:
             logger.info("glm53_serving rejected invalid request on %s: %s", path, e.message)
             http_guard.REJECTIONS.inc(reason=f"invalid_{e.param}" if e.param else "invalid_body", endpoint=path)

@@ -20,6 +20,7 @@ from typing import Literal
 from glm53_serving import cpu
 from glm53_serving.admission import CLIP_ENV, LIMITS_ENV, Capacity, Limits
 from glm53_serving.request_guard import MAX_BODY_ENV
+from glm53_serving.validation import MAX_N, MAX_N_PD
 
 REPO_LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 DEFAULT_CONFIG = REPO_LAUNCH_DIR / "cpu.toml"
@@ -276,6 +277,7 @@ class Topology:
             "--context-length", str(ctx), "--host", self.host, "--port", str(port),
             "--max-body-bytes", str(self.gateway.max_body_bytes),
             "--upstream-timeout-s", str(self.gateway.upstream_timeout_s),
+            "--max-n", str(MAX_N if self.topology == "single" else MAX_N_PD),
         ]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import orjson
@@ -38,7 +39,14 @@ GENERATION = (GENERATE, COMPLETIONS, CHAT)
 OPENAI = (COMPLETIONS, CHAT)
 
 MAX_N = 128  # OpenAI's bound on `n`; each sample is a full generation
+# PD: SGLang sends every sample of a request under one bootstrap room; all but one never
+# bootstrap, the client waits for the router's timeout and prefill keeps the rest queued (measured).
+MAX_N_PD = 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; completions' `logprobs` gets the same
+# OpenAI's bounds where they are narrower than SGLang's: sglang-router (PD) enforces them on the
+# OpenAI endpoints, so every server applies them too and all layers give the same answer.
+OPENAI_MAX_TEMPERATURE = 2.0
+OPENAI_MAX_STOP = 4
 
 # OpenAI request field -> SamplingParams field (what the serving layer converts it to).
 OPENAI_SAMPLING = {
@@ -150,15 +158,20 @@ def _check_generate_contract(body: dict) -> None:
 
 # --- semantics SGLang does not check --------------------------------------------------------------
 
-def check_bounds(endpoint: str, body: dict, *, text_only: bool) -> None:
+def check_bounds(endpoint: str, body: dict, *, text_only: bool, max_n: int = MAX_N) -> None:
     if endpoint == GENERATE:
-        _check_generate_bounds(body, text_only)
+        _check_generate_bounds(body, text_only, max_n)
         return
-    _range(body, "n", 1, MAX_N)
+    _range(body, "n", 1, max_n)
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and temperature > OPENAI_MAX_TEMPERATURE:
+        raise invalid(f"temperature must be at most {OPENAI_MAX_TEMPERATURE:g}, got {temperature}.", "temperature")
+    if isinstance(body.get("stop"), list) and len(body["stop"]) > OPENAI_MAX_STOP:
+        raise invalid(f"stop takes at most {OPENAI_MAX_STOP} sequences, got {len(body['stop'])}.", "stop")
     if endpoint == COMPLETIONS:
         _range(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         n = body.get("n") or 1
-        _range(body, "best_of", n, MAX_N, why=f"at least n ({n})" if n > 1 else None)
+        _range(body, "best_of", n, max_n, why=f"at least n ({n})" if n > 1 else None)
     else:
         _range(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if (body.get("top_logprobs") or 0) > 0 and not body.get("logprobs"):
@@ -188,7 +201,7 @@ def check_prompt(endpoint: str, body: dict, vocab_size: int) -> None:
                 raise invalid(f"{name} contains token id {bad}, outside this model's vocabulary [0, {vocab_size}).", name)
 
 
-def _check_generate_bounds(body: dict, text_only: bool) -> None:
+def _check_generate_bounds(body: dict, text_only: bool, max_n: int) -> None:
     if text_only:
         for name in MEDIA_FIELDS:
             if body.get(name) is not None:
@@ -202,9 +215,9 @@ def _check_generate_bounds(body: dict, text_only: bool) -> None:
         if size is not None and len(params) != size:
             raise invalid(f"sampling_params has {len(params)} entries for a batch of {size}.", "sampling_params")
         for i, p in enumerate(params):
-            _range(p, "n", 1, MAX_N, prefix=f"sampling_params[{i}].")
+            _range(p, "n", 1, max_n, prefix=f"sampling_params[{i}].")
     elif isinstance(params, dict):
-        _range(params, "n", 1, MAX_N, prefix="sampling_params.")
+        _range(params, "n", 1, max_n, prefix="sampling_params.")
 
 
 def _batch_size(body: dict) -> int | None:
@@ -301,12 +314,39 @@ def sglang_verify(tokenizer, cls=None) -> Callable[[dict, int], None]:
 
 
 def check_request(endpoint: str, body: dict, *, vocab_size: int, text_only: bool,
-                  verify: Callable[[dict, int], None]) -> None:
+                  verify: Callable[[dict, int], None], max_n: int = MAX_N) -> None:
     """Every check above, in the order a client would fix them: shape, bounds, domains."""
     check_schema(endpoint, body)
-    check_bounds(endpoint, body, text_only=text_only)
+    check_bounds(endpoint, body, text_only=text_only, max_n=max_n)
     check_prompt(endpoint, body, vocab_size)
     check_sampling(endpoint, body, vocab_size, verify)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestChecks:
+    """`check_request` bound to one model: what a server's HTTP process and the gateway run."""
+
+    vocab_size: int
+    text_only: bool
+    verify: Callable[[dict, int], None]
+    max_n: int = MAX_N
+
+    @classmethod
+    def for_model(cls, model_path: str, tokenizer, max_n: int = MAX_N) -> "RequestChecks":
+        """From a checkpoint directory, as SGLang's ModelConfig judges it; loads SGLang's request
+        models now so that no client request pays for the import."""
+        from sglang.srt.configs.model_config import is_multimodal_model
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        for endpoint in GENERATION:
+            _model(endpoint)
+        return cls(config.vocab_size, not is_multimodal_model(config.architectures or []), sglang_verify(tokenizer),
+                   max_n)
+
+    def check(self, endpoint: str, body: dict) -> None:
+        check_request(endpoint, body, vocab_size=self.vocab_size, text_only=self.text_only, verify=self.verify,
+                      max_n=self.max_n)
 
 
 # --- after tokenization (intake's hook) ---------------------------------------------------------

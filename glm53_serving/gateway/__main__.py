@@ -6,6 +6,7 @@ import argparse
 
 import uvicorn
 
+from glm53_serving import validation
 from glm53_serving.admission import Limits
 from glm53_serving.gateway.app import GatewayConfig, build_app
 
@@ -20,13 +21,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument("--upstream-timeout-s", type=float, default=600.0)
+    p.add_argument("--max-n", type=int, default=validation.MAX_N, help="largest `n` (samples per request) to accept")
     a = p.parse_args(argv)
     limits = Limits.from_env()
     if limits is None:
         p.error("GLM53_DEPLOYMENT_LIMITS is not set: the gateway enforces the deployment's limit and needs it")
     cfg = GatewayConfig(upstream=a.upstream, model_path=a.model_path, served_model_name=a.served_model_name,
                         context_length=a.context_length, limits=limits, max_body_bytes=a.max_body_bytes,
-                        upstream_timeout_s=a.upstream_timeout_s)
+                        upstream_timeout_s=a.upstream_timeout_s, max_n=a.max_n)
     uvicorn.run(build_app(cfg), host=a.host, port=a.port, log_level="warning", access_log=False)
 
 

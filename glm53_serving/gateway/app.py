@@ -15,9 +15,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from glm53_serving import validation
 from glm53_serving.admission import Limits, check
 from glm53_serving.errors import ClientError
 from glm53_serving.gateway.tokens import PromptCounter, Uncountable
+from glm53_serving.validation import RequestChecks
 
 logger = logging.getLogger("glm53_serving.gateway")
 
@@ -37,6 +39,7 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    max_n: int = validation.MAX_N  # validation.MAX_N_PD behind a PD router
 
     def __post_init__(self):
         assert self.upstream.startswith("http"), self.upstream
@@ -51,6 +54,7 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
         self.counter = PromptCounter(cfg.model_path)
+        self.validator = RequestChecks.for_model(cfg.model_path, self.counter.tokenizer, cfg.max_n)
         self.client = httpx.AsyncClient(
             base_url=cfg.upstream,
             timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
@@ -84,12 +88,10 @@ class Gateway:
         endpoint = request.url.path
         try:
             raw = await self.read_body(request)
-            try:
-                body = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ClientError("invalid_request_error", f"The request body is not valid JSON: {e}")
-            if not isinstance(body, dict):
-                raise ClientError("invalid_request_error", "The request body must be a JSON object.")
+            # The workers' own validation, here first: behind the router a worker's 400 loses its
+            # `param` (PD bodies are rewritten) and the router judges some fields by other bounds.
+            body = validation.parse_body(raw, request.headers.get("content-type"))
+            self.validator.check(endpoint, body)
             try:
                 prompt, max_new = self.counter.count(endpoint, body)
             except Uncountable:
@@ -134,7 +136,12 @@ class Gateway:
         try:
             body = json.loads(raw)
             if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
-                return self._answer(endpoint, status, body, reason=str(body["error"].get("code") or "upstream"))
+                err = body["error"]
+                code = err.get("code") if isinstance(err.get("code"), str) else "upstream_error"
+                # The contract's keys, whatever the router rewrote (PD: type "Bad Request", no param).
+                body = {"error": {**err, "message": str(err["message"]), "param": err.get("param"), "code": code,
+                                  "type": "invalid_request_error" if status < 500 else "server_error"}}
+                return self._answer(endpoint, status, body, reason=code)
         except (UnicodeDecodeError, json.JSONDecodeError):
             pass
         text = raw.decode(errors="replace")[:500]

@@ -170,3 +170,23 @@ def test_tokenized_checks_name_the_endpoint_field():
 ])
 def test_pydantic_locations_become_openai_params(loc, param):
     assert v.param_of(loc) == param
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    (v.CHAT, {"messages": MSG, "temperature": 2.5}, "temperature"),
+    (v.COMPLETIONS, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+])
+def test_openai_bounds_the_router_enforces_are_enforced_everywhere(endpoint, body, param):
+    assert rejected(endpoint, body).param == param
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    (v.CHAT, {"messages": MSG, "n": 2}, "n"),
+    (v.GENERATE, {"text": "hi", "sampling_params": {"n": 2}}, "sampling_params.n"),
+    (v.COMPLETIONS, {"prompt": "hi", "best_of": 2}, "best_of"),
+])
+def test_pd_takes_one_sample_per_request(endpoint, body, param):
+    check(endpoint, body)  # fine on a single server
+    with pytest.raises(ClientError) as e:
+        v.check_request(endpoint, body, vocab_size=VOCAB, text_only=True, verify=VERIFY, max_n=v.MAX_N_PD)
+    assert e.value.param == param
