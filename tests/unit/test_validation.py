@@ -190,3 +190,33 @@ def test_pd_takes_one_sample_per_request(endpoint, body, param):
     with pytest.raises(ClientError) as e:
         v.check_request(endpoint, body, vocab_size=VOCAB, text_only=True, verify=VERIFY, max_n=v.MAX_N_PD)
     assert e.value.param == param
+
+
+OK_MSG = {"role": "user", "content": "x"}
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    # each would otherwise cost seconds of the event loop in pydantic's error reporting
+    (v.CHAT, {"messages": [7] * 200_000}, "messages[0]"),
+    (v.CHAT, {"messages": [OK_MSG] * 64 + [{"role": "user", "content": 5}] * 200_000}, "messages[64].content"),
+    (v.CHAT, {"messages": [OK_MSG] * 64 + [{"content": "x"}] * 200_000}, "messages[64].role"),
+    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 64 + [{"type": "text"}] * 200_000}]},
+     None),
+    (v.COMPLETIONS, {"prompt": [1] * 64 + [1.5] * 200_000}, "prompt[64]"),
+    (v.GENERATE, {"text": ["a"] * 64 + [7] * 200_000}, "text[64]"),
+])
+def test_huge_malformed_lists_are_rejected_within_a_second(endpoint, body, param):
+    import time
+
+    check(v.CHAT, {"messages": MSG})  # models loaded
+    t0 = time.monotonic()
+    e = rejected(endpoint, body)
+    assert time.monotonic() - t0 < 1.0 and e.param == param, e.message
+
+
+def test_a_long_valid_token_list_passes_quickly():
+    import time
+
+    t0 = time.monotonic()
+    v.check_schema(v.GENERATE, {"input_ids": [7] * 1_000_000})
+    assert time.monotonic() - t0 < 1.0
