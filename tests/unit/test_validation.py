@@ -205,18 +205,21 @@ OK_MSG = {"role": "user", "content": "x"}
     (v.COMPLETIONS, {"prompt": [1] * 64 + [1.5] * 200_000}, "prompt[64]"),
     (v.GENERATE, {"text": ["a"] * 64 + [7] * 200_000}, "text[64]"),
 ])
-def test_huge_malformed_lists_are_rejected_within_a_second(endpoint, body, param):
+def test_huge_malformed_lists_are_rejected_within_the_rejection_bound(endpoint, body, param):
     import time
 
-    check(v.CHAT, {"messages": MSG})  # models loaded
+    for ep in v.GENERATION:
+        v._model(ep)  # SGLang's models imported and built before timing
     t0 = time.monotonic()
     e = rejected(endpoint, body)
-    assert time.monotonic() - t0 < 1.0 and e.param == param, e.message
+    # without the bound: 10 to 31 s; with it, 0.02 to 0.1 s on an idle 2-core machine
+    assert time.monotonic() - t0 < 3.0 and e.param == param, e.message
 
 
 def test_a_long_valid_token_list_passes_quickly():
     import time
 
+    v._model(v.GENERATE)
     t0 = time.monotonic()
     v.check_schema(v.GENERATE, {"input_ids": [7] * 1_000_000})
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0
