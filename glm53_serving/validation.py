@@ -120,6 +120,10 @@ SAMPLE = 64  # list elements validated first (see check_schema)
 # failing object costs one error per union member); far above any servable request's count
 # (a token-id list is one array, a chat message two or three objects).
 MAX_CONTAINERS = 4096
+# Nesting: no request of any endpoint nests deeper than about ten levels; orjson allows 1024, and
+# Python code walking such a body recursively (ours, upstream's) meets the recursion limit first
+# (measured: a 1000-deep body reset the connection).
+MAX_DEPTH = 64
 
 
 def check_schema(endpoint: str, body: dict) -> None:
@@ -133,9 +137,9 @@ def check_schema(endpoint: str, body: dict) -> None:
     has at most a few failing elements."""
     from pydantic import ValidationError
 
+    _check_uniform(body)
     try:
         _model(endpoint).validate_python(_sampled(body))
-        _check_uniform(body)
         _model(endpoint).validate_python(body)
     except ValidationError as e:
         raise _first_pydantic_error(e) from None
@@ -154,16 +158,18 @@ def _sampled(value):
 def _check_uniform(body: dict) -> None:
     """Every list holds elements of one JSON type (null aside), and every chat message and
     content part is an object with a string role / type: one pass, no union errors."""
-    stack: list[tuple[str, object]] = [("", body)]
+    stack: list[tuple[str, object, int]] = [("", body, 1)]
     containers = 0
     while stack:
-        path, value = stack.pop()
+        path, value, depth = stack.pop()
         if isinstance(value, (dict, list)):
             containers += 1
             if containers > MAX_CONTAINERS:
                 raise invalid(f"The request has more than {MAX_CONTAINERS} JSON objects and arrays.")
+            if depth > MAX_DEPTH:
+                raise invalid(f"The request nests JSON deeper than {MAX_DEPTH} levels.", path)
         if isinstance(value, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+            stack.extend((f"{path}.{k}" if path else str(k), v, depth + 1) for k, v in value.items())
         elif isinstance(value, list) and value:
             kinds = {type(v) for v in value if v is not None}
             if len(kinds) > 1:
@@ -180,7 +186,7 @@ def _check_uniform(body: dict) -> None:
                         raise invalid(f"{path}[{i}].content must be a string, a list of parts or null.",
                                       f"{path}[{i}].content")
             if kinds & {dict, list}:
-                stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+                stack.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value))
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
 import json
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -223,3 +224,10 @@ def test_a_long_valid_token_list_passes_quickly():
     t0 = time.monotonic()
     v.check_schema(v.GENERATE, {"input_ids": [7] * 1_000_000})
     assert time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.parametrize("depth", [65, 500, 1000])
+def test_deep_nesting_within_json_limits_is_400_not_a_recursion_error(depth):
+    body = {"messages": MSG, "x": orjson.loads("[" * depth + "]" * depth)}
+    e = rejected(v.CHAT, body)
+    assert "deeper than 64" in e.message
