@@ -231,3 +231,11 @@ def test_deep_nesting_within_json_limits_is_400_not_a_recursion_error(depth):
     body = {"messages": MSG, "x": orjson.loads("[" * depth + "]" * depth)}
     e = rejected(v.CHAT, body)
     assert "deeper than 64" in e.message
+
+
+def test_free_form_json_and_mixed_numbers_are_not_held_to_one_kind():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, "a", None, 2.5]}}}}}
+    check(v.CHAT, {"messages": MSG, "tools": [tool]})
+    check(v.CHAT, {"messages": MSG, "logit_bias": {"3": 1, "4": 0.5}, "stop": ["a"]})
+    assert rejected(v.CHAT, {"messages": MSG, "stop": ["a", 1]}).param == "stop[1]"
