@@ -53,10 +53,10 @@ async def _send_json(send, status: int, body: dict) -> None:
 class RequestValidator:
     """Reads a generation request's body, validates it, and replays it to SGLang's handler."""
 
-    def __init__(self, app, tokenizer_manager=None):
+    def __init__(self, app, tokenizer_manager=None, checks: validation.RequestChecks | None = None):
         self.app = app
         self.tm = tokenizer_manager
-        self._checks: validation.RequestChecks | None = None  # from the tokenizer manager, on first use
+        self._checks = checks  # else from the tokenizer manager, on first use
 
     def checks(self) -> validation.RequestChecks:
         if self._checks is None:
@@ -71,7 +71,7 @@ class RequestValidator:
             self._checks = validation.RequestChecks(
                 tm.model_config.vocab_size, not tm.model_config.is_multimodal,
                 validation.sglang_verify(tm.tokenizer, tm.sampling_params_class),
-                max_n=validation.MAX_N_PD if pd else validation.MAX_N)
+                max_n=validation.MAX_N_PD if pd else validation.MAX_N).warmed()
         return self._checks
 
     async def __call__(self, scope, receive, send):
@@ -180,8 +180,11 @@ def install_hook(server_args=None, tokenizer_manager=None, *args, **kwargs):
 
     if installed():
         return None
+    validator_checks = None
+    if tokenizer_manager is not None:  # build and warm the checks before the server reports ready
+        validator_checks = RequestValidator(None, tokenizer_manager).checks()
     # add_middleware puts each new one outermost.
-    app.add_middleware(RequestValidator, tokenizer_manager=tokenizer_manager)
+    app.add_middleware(RequestValidator, tokenizer_manager=tokenizer_manager, checks=validator_checks)
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes())
     app.add_middleware(ContractErrors)
     return None
