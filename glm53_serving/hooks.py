@@ -81,6 +81,14 @@ HOOKS: tuple[Hook, ...] = (
         "install the middleware that sends a rejected request's 4xx before any byte of a 200 "
         "(upstream streams /generate rejections under HTTP 200)",
     ),
+    # --- request validation: size, schema, domains (request_guard.py, validation.py) ---------
+    Hook(
+        "sglang.srt.entrypoints.http_server._setup_and_run_http_server", Kind.BEFORE,
+        "glm53_serving.request_guard:install_hook", ("server_args", "tokenizer_manager"),
+        "before uvicorn starts: install the body-size limit (413 before reading), the validation "
+        "of every generation request before SGLang's handler (upstream crashes on some, 500s or "
+        "ignores others), and the contract shape for every 4xx upstream answers itself",
+    ),
     Hook(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", Kind.BEFORE,
         "glm53_serving.intake:validate_request_hook", ("self", "obj", "input_ids"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from glm53_serving import admission, http_guard, tenant_guard
+from glm53_serving import admission, http_guard, request_guard, tenant_guard, validation
 from glm53_serving.errors import ClientError
 
 
@@ -86,6 +86,8 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
         if limits is None:  # cannot happen after start-up (startup.py sets it); fail closed anyway
             raise ClientError("context_length_exceeded", "admission limits are not initialised; refusing")
         check_token_ids(input_ids, self.model_config.vocab_size)
+        validation.check_tokenized(input_ids, getattr(obj, "top_logprobs_num", None),
+                                   self.model_config.vocab_size, request_guard.current_endpoint())
         params = getattr(obj, "sampling_params", None)
         if not isinstance(params, dict):  # embedding requests: prompt bound only
             params = {}

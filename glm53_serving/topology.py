@@ -7,6 +7,7 @@ fails before any process starts.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import socket
@@ -18,6 +19,8 @@ from typing import Literal
 
 from glm53_serving import cpu
 from glm53_serving.admission import CLIP_ENV, LIMITS_ENV, Capacity, Limits
+from glm53_serving.request_guard import MAX_BODY_ENV
+from glm53_serving.validation import MAX_N, MAX_N_PD
 
 REPO_LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 DEFAULT_CONFIG = REPO_LAUNCH_DIR / "cpu.toml"
@@ -45,6 +48,7 @@ class RoleConf:
     kv_tokens: int | None = None  # the role's KV pool (--max-total-tokens); [worker] gives the default
     page_size: int | None = None  # KV page size (--page-size)
     decode_reserve: int | None = None  # decode only: --num-reserved-decode-tokens (SGLang default 512)
+    max_body_bytes: int | None = None  # [worker] only: servers' body limit; default the router's payload limit
     args: list[str] = field(default_factory=list)  # extra SGLang flags for this role, verbatim
 
     def __post_init__(self):
@@ -64,6 +68,14 @@ class GatewayConf:
 
     def __post_init__(self):
         assert self.max_body_bytes > 0 and self.upstream_timeout_s > 0
+
+
+# Each layer behind the gateway accepts at least what the layer in front of it forwards, so the
+# outermost one is the one that answers: the router re-serialises bodies (a number or an escape
+# can come out longer) and adds bootstrap fields, hence twice the gateway's body limit behind it;
+# and it outlives the gateway's upstream timeout, so a slow request gets the gateway's JSON 504.
+INNER_BODY_FACTOR = 2
+INNER_TIMEOUT_MARGIN_S = 30.0
 
 
 @dataclass(slots=True)
@@ -93,7 +105,13 @@ class TenantsConf:
 @dataclass(slots=True)
 class RouterConf:
     policy: str = "round_robin"
+    max_payload_bytes: int | None = None  # --max-payload-size; default INNER_BODY_FACTOR x the gateway's
+    request_timeout_s: float | None = None  # --request-timeout-secs; default gateway's + INNER_TIMEOUT_MARGIN_S
     args: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        for flag in ("--max-payload-size", "--request-timeout-secs"):
+            assert flag not in self.args, f"set {flag} through [router] max_payload_bytes / request_timeout_s, not args"
 
 
 @dataclass(slots=True)
@@ -125,6 +143,14 @@ class Topology:
                     f"PD needs every role's KV budget: set kv_tokens in [{role}] or [worker] "
                     "(the deployment-wide request limit is computed from them)")
         assert self.model.context_length, "model.context_length: the advertised window must be explicit"
+        assert self.prefill.max_body_bytes is None and self.decode.max_body_bytes is None, (
+            "max_body_bytes is one limit for every server: set it in [worker]")
+        gateway, router, worker = self.body_limits()
+        assert gateway <= router <= worker, (
+            f"body limits must grow inward so the gateway answers first: gateway {gateway} <= router {router} "
+            f"<= worker {worker}")
+        assert self.router_timeout_s() > self.gateway.upstream_timeout_s, (
+            "[router] request_timeout_s must exceed [gateway] upstream_timeout_s so the gateway answers first")
 
     @classmethod
     def load(cls, path: Path | str, topology: str | None = None) -> "Topology":
@@ -186,11 +212,21 @@ class Topology:
             caps = [Capacity(c.role, ctx, c.kv_tokens, c.page_size, c.decode_reserve) for c in caps]
         return ctx, (Limits.of(caps) if caps else None)
 
+    def body_limits(self) -> tuple[int, int, int]:
+        """(gateway, router, worker) request body limits in bytes."""
+        gateway = self.gateway.max_body_bytes
+        router = self.router.max_payload_bytes or INNER_BODY_FACTOR * gateway
+        return gateway, router, self.worker.max_body_bytes or router
+
+    def router_timeout_s(self) -> float:
+        return self.router.request_timeout_s or self.gateway.upstream_timeout_s + INNER_TIMEOUT_MARGIN_S
+
     def process_env(self) -> dict[str, str]:
         env = {
             # The bootstrap server and the transfer engine advertise this address to peers;
             # left unset they advertise the first NIC's address instead of the configured host.
             "SGLANG_HOST_IP": self.host,
+            MAX_BODY_ENV: str(self.body_limits()[2]),
         }
         _, limits = self.admission_plan()
         if limits is not None:
@@ -245,6 +281,8 @@ class Topology:
             "--host", self.host, "--port", str(port), "--policy", self.router.policy,
             # Its exporter binds 0.0.0.0:29000 by default; two routers on a host then collide.
             "--prometheus-host", self.host, "--prometheus-port", str(prometheus_port),
+            "--max-payload-size", str(self.body_limits()[1]),
+            "--request-timeout-secs", str(math.ceil(self.router_timeout_s())),
         ]
         for url, boot in prefills:
             argv += ["--prefill", url, str(boot)]
@@ -260,6 +298,7 @@ class Topology:
             "--context-length", str(ctx), "--host", self.host, "--port", str(port),
             "--max-body-bytes", str(self.gateway.max_body_bytes),
             "--upstream-timeout-s", str(self.gateway.upstream_timeout_s),
+            "--max-n", str(MAX_N if self.topology == "single" else MAX_N_PD),
         ] + ([] if tenants_file is None else ["--tenants-file", str(tenants_file)])
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import uvicorn
 
-from glm53_serving import tenants
+from glm53_serving import tenants, validation
 from glm53_serving.admission import Limits
 from glm53_serving.gateway.app import GatewayConfig, build_app
 
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--upstream-timeout-s", type=float, default=600.0)
     p.add_argument("--tenants-file", type=Path, default=None,
                    help=f"API key hashes -> tenants; needs ${tenants.KEY_FILE_ENV}. Without it: no authentication")
+    p.add_argument("--max-n", type=int, default=validation.MAX_N, help="largest `n` (samples per request) to accept")
     a = p.parse_args(argv)
     limits = Limits.from_env()
     if limits is None:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--tenants-file and ${tenants.KEY_FILE_ENV} go together (tenants on), or neither (off)")
     cfg = GatewayConfig(upstream=a.upstream, model_path=a.model_path, served_model_name=a.served_model_name,
                         context_length=a.context_length, limits=limits, max_body_bytes=a.max_body_bytes,
-                        upstream_timeout_s=a.upstream_timeout_s,
+                        upstream_timeout_s=a.upstream_timeout_s, max_n=a.max_n,
                         tenants=tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None,
                         assertion_key=key)
     uvicorn.run(build_app(cfg), host=a.host, port=a.port, log_level="warning", access_log=False)

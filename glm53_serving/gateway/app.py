@@ -16,10 +16,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from glm53_serving import tenants
+from glm53_serving import tenants, validation
 from glm53_serving.admission import Limits, check
 from glm53_serving.errors import ClientError
 from glm53_serving.gateway.tokens import PromptCounter, Uncountable
+from glm53_serving.validation import RequestChecks
 
 logger = logging.getLogger("glm53_serving.gateway")
 
@@ -33,11 +34,11 @@ ROUTING_KEY_HEADER = "x-smg-routing-key"  # what sglang-router's manual policy r
 # routing key it names are replaced by ours.
 _DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding",
                          "authorization", AFFINITY_HEADER, ROUTING_KEY_HEADER}
-UNAUTHENTICATED = "-"
+UNAUTHENTICATED = "-"  # the tenant label of requests refused before a tenant was known
 # Body fields only the deployment sets: the PD handoff (a fake or foreign bootstrap host makes
 # decode read pages nothing wrote) and the data-parallel placement.
 DEPLOYMENT_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
-                     "routed_dp_rank", "disagg_prefill_dp_rank")  # the tenant label of requests refused before a tenant was known
+                     "routed_dp_rank", "disagg_prefill_dp_rank")
 _PASS_RESPONSE_HEADERS = {"content-type", "cache-control"}
 
 
@@ -53,6 +54,7 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0
     tenants: tenants.TenantsFile | None = None  # None: tenants off (one trust domain)
     assertion_key: bytes | None = None  # signs the tenant assertions workers verify
+    max_n: int = validation.MAX_N  # validation.MAX_N_PD behind a PD router
 
     def __post_init__(self):
         assert self.upstream.startswith("http"), self.upstream
@@ -73,6 +75,7 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
         self.counter = PromptCounter(cfg.model_path)
+        self.validator = RequestChecks.for_model(cfg.model_path, self.counter.tokenizer, cfg.max_n)
         self.client = httpx.AsyncClient(
             base_url=cfg.upstream,
             timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
@@ -118,12 +121,10 @@ class Gateway:
         try:
             tenant = self.authenticate(request)
             raw = await self.read_body(request)
-            try:
-                body = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ClientError("invalid_request_error", f"The request body is not valid JSON: {e}")
-            if not isinstance(body, dict):
-                raise ClientError("invalid_request_error", "The request body must be a JSON object.")
+            # The workers' own validation, here first: behind the router a worker's 400 loses its
+            # `param` (PD bodies are rewritten) and the router judges some fields by other bounds.
+            body = validation.parse_body(raw, request.headers.get("content-type"))
+            self.validator.check(endpoint, body)
             for name in DEPLOYMENT_FIELDS:
                 if name in body:
                     raise ClientError("invalid_request_error", f"{name} is set by the deployment, not by clients.",
@@ -203,7 +204,12 @@ class Gateway:
         try:
             body = json.loads(raw)
             if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
-                return self._answer(tenant, endpoint, status, body, reason=str(body["error"].get("code") or "upstream"))
+                err = body["error"]
+                code = err.get("code") if isinstance(err.get("code"), str) else "upstream_error"
+                # The contract's keys, whatever the router rewrote (PD: type "Bad Request", no param).
+                body = {"error": {**err, "message": str(err["message"]), "param": err.get("param"), "code": code,
+                                  "type": "invalid_request_error" if status < 500 else "server_error"}}
+                return self._answer(tenant, endpoint, status, body, reason=code)
         except (UnicodeDecodeError, json.JSONDecodeError):
             pass
         text = raw.decode(errors="replace")[:500]

@@ -26,6 +26,10 @@ class PromptCounter:
 
         self._tok = AutoTokenizer.from_pretrained(self.model_path)
 
+    @property
+    def tokenizer(self):
+        return self._tok
+
     def encode(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False))
 

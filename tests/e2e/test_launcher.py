@@ -41,6 +41,7 @@ def test_child_dying_at_startup_fails_with_its_log_tail(tmp_path):
 @pytest.mark.parametrize("target", [
     "sglang.srt.managers.scheduler.Scheduler.get_init_info",  # the HTTP process refuses
     "sglang.srt.entrypoints.engine._wait_for_scheduler_ready",  # the scheduler refuses
+    "sglang.srt.entrypoints.http_server._setup_and_run_http_server",  # request validation: the HTTP process refuses
 ])
 def test_missing_hook_stops_the_server_from_starting(tmp_path, target):
     proc = start(tmp_path, "--topology", "single", env={"PYTHONPATH": SABOTAGE, "GLM53_TEST_BREAK_HOOK": target})

@@ -52,6 +52,11 @@ M = '[model]\npreset = "glm53-tiny"\ncontext_length = 512\n[worker]\nkv_tokens =
     ('[model]\npreset = "glm53-tiny"\ncontext_length = 512\n', "KV budget"),
     ('[model]\npreset = "glm53-tiny"\n[worker]\nkv_tokens = 9\n', "context_length"),
     (M.replace('[worker]\n', '[worker]\nargs = ["--max-total-tokens", "9"]\n'), "through the topology"),
+    (M + '[gateway]\nmax_body_bytes = 100\n[router]\nmax_payload_bytes = 50\n', "grow inward"),
+    (M.replace('[worker]\n', '[worker]\nmax_body_bytes = 10\n'), "grow inward"),
+    (M + '[decode]\nmax_body_bytes = 10\n', "set it in \\[worker\\]"),
+    (M + '[gateway]\nupstream_timeout_s = 100\n[router]\nrequest_timeout_s = 100\n', "gateway answers first"),
+    (M + '[router]\nargs = ["--max-payload-size", "9"]\n', "max_payload_bytes"),
 ])
 def test_bad_topologies_fail_at_load(tmp_path, body, msg):
     p = tmp_path / "bad.toml"
@@ -107,3 +112,17 @@ def test_deployment_limits_reach_every_server(tmp_path):
 
     limits = Limits(**json.loads(topo.process_env()[LIMITS_ENV]))
     assert limits.max_input_tokens == 506 and limits.max_total_tokens == 510  # docs/admission.md worked example
+
+
+def test_body_limits_and_timeouts_grow_inward_so_the_gateway_answers_first():
+    topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml")
+    gateway, router, worker = topo.body_limits()
+    assert gateway == 8 * 1024 * 1024 and router == worker == 2 * gateway
+    argv = topo.router_argv(1, 2, [("http://p", 3)], ["http://d"])
+    assert argv[argv.index("--max-payload-size") + 1] == str(router)
+    assert float(argv[argv.index("--request-timeout-secs") + 1]) > topo.gateway.upstream_timeout_s
+    assert topo.process_env()["GLM53_MAX_BODY_BYTES"] == str(worker)
+    gw = topo.gateway_argv("http://r", "/m", 4)
+    assert gw[gw.index("--max-body-bytes") + 1] == str(gateway) and gw[gw.index("--max-n") + 1] == "1"
+    single = Topology.load(REPO_LAUNCH_DIR / "cpu.toml", topology="single").gateway_argv("http://s", "/m", 4)
+    assert single[single.index("--max-n") + 1] == "128"

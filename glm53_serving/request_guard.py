@@ -1,0 +1,196 @@
+"""Every server's HTTP front door: body size, request validation, and 4xx bodies in the contract shape.
+
+Invariants, in each SGLang server's HTTP process (single, prefill and decode alike):
+- a body over the configured size (`GLM53_MAX_BODY_BYTES`, set by the launcher from the
+  topology) is a 413 before it is read: a Content-Length over the limit is refused before the
+  first byte, a chunked body as soon as the count passes it (Starlette's RequestBodyLimitMiddleware);
+- a generation request (validation.GENERATION) reaches SGLang's handler only after
+  `validation.check_request` passed, so a malformed one never reaches a tokenizer or scheduler;
+- every 4xx on a generation endpoint, and every 413, has the contract body (errors.py), whoever
+  produced it: upstream answers its own rejections in four shapes, some a plain-text body.
+
+Order, outermost first: ContractErrors -> RequestBodyLimitMiddleware -> RequestValidator -> app.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+
+import orjson
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+
+from glm53_serving import http_guard, validation
+from glm53_serving.errors import ClientError
+
+logger = logging.getLogger("glm53_serving")
+
+MAX_BODY_ENV = "GLM53_MAX_BODY_BYTES"
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a hand-launched server's limit (launcher: from the topology)
+
+_endpoint: contextvars.ContextVar[str | None] = contextvars.ContextVar("glm53_endpoint", default=None)
+
+
+def current_endpoint() -> str | None:
+    """The generation endpoint the current request came in on (for naming params), if any."""
+    return _endpoint.get()
+
+
+def max_body_bytes() -> int:
+    value = int(os.environ.get(MAX_BODY_ENV, DEFAULT_MAX_BODY_BYTES))
+    assert value > 0, f"{MAX_BODY_ENV} must be positive"
+    return value
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    raw = orjson.dumps(body)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+
+class RequestValidator:
+    """Reads a generation request's body, validates it, and replays it to SGLang's handler."""
+
+    def __init__(self, app, tokenizer_manager=None, checks: validation.RequestChecks | None = None):
+        self.app = app
+        self.tm = tokenizer_manager
+        self._checks = checks  # else from the tokenizer manager, on first use
+
+    def checks(self) -> validation.RequestChecks:
+        if self._checks is None:
+            tm = self.tm
+            if tm is None:
+                from sglang.srt.entrypoints.http_server import get_global_state
+
+                tm = get_global_state().tokenizer_manager
+            from sglang.srt.runtime_context import get_disagg
+
+            pd = (get_disagg().disaggregation_mode or "null") in ("prefill", "decode")
+            self._checks = validation.RequestChecks(
+                tm.model_config.vocab_size, not tm.model_config.is_multimodal,
+                validation.sglang_verify(tm.tokenizer, tm.sampling_params_class),
+                max_n=validation.MAX_N_PD if pd else validation.MAX_N).warmed()
+        return self._checks
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT") or path not in validation.GENERATION:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()  # RequestBodyLimitMiddleware raises here past the limit
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        try:
+            content_type = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), None)
+            body = validation.parse_body(raw, content_type)
+            self.checks().check(path, body)
+        except ClientError as e:
+            logger.info("glm53_serving rejected invalid request on %s: %s", path, e.message)
+            http_guard.REJECTIONS.inc(reason=f"invalid_{e.param}" if e.param else "invalid_body", endpoint=path)
+            return await _send_json(send, e.status, e.body())
+
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()  # after the body: the client's disconnect, for streaming aborts
+
+        token = _endpoint.set(path)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            _endpoint.reset(token)
+
+
+class ContractErrors:
+    """Rewrites a non-contract 4xx body (generation endpoints) or 413 (anywhere) into the contract shape."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        generation = scope.get("path", "") in validation.GENERATION
+        held: dict | None = None
+        chunks: list[bytes] = []
+
+        async def guarded_send(message):
+            nonlocal held
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if 400 <= status < 500 and (generation or status == 413):
+                    held = message
+                    return
+            elif message["type"] == "http.response.body" and held is not None:
+                chunks.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                status, raw = held["status"], b"".join(chunks)
+                held = None
+                if _is_contract(raw):
+                    await send({"type": "http.response.start", "status": status,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(raw)).encode())]})
+                    return await send({"type": "http.response.body", "body": raw, "more_body": False})
+                return await _send_json(send, status, contract_body(status, raw))
+            await send(message)
+
+        await self.app(scope, receive, guarded_send)
+
+
+def _is_contract(raw: bytes) -> bool:
+    try:
+        err = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(err, dict) and {"message", "type", "param", "code"} <= err.keys()
+
+
+def contract_body(status: int, raw: bytes) -> dict:
+    """The contract body for an upstream 4xx: its message, whatever shape upstream gave it."""
+    if status == 413:
+        return ClientError("request_too_large", f"Request body exceeds the limit of {max_body_bytes()} bytes.",
+                           details={"max_body_bytes": max_body_bytes()}).body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = raw.decode("utf-8", errors="replace")
+    message = body
+    if isinstance(body, dict):
+        err = body.get("error")
+        message = (err.get("message") if isinstance(err, dict) else err) or body.get("message") or body.get("detail") or body
+    code = "not_found" if status == 404 else "invalid_request_error"
+    return {"error": {"message": str(message)[:2000], "type": "invalid_request_error", "param": None, "code": code}}
+
+
+def install_hook(server_args=None, tokenizer_manager=None, *args, **kwargs):
+    """BEFORE http_server._setup_and_run_http_server (uvicorn not started yet): add the three
+    layers; the validator reads the model's facts from this server's tokenizer manager."""
+    from sglang.srt.entrypoints.http_server import app
+
+    if installed():
+        return None
+    validator_checks = None
+    if tokenizer_manager is not None:  # build and warm the checks before the server reports ready
+        validator_checks = RequestValidator(None, tokenizer_manager).checks()
+    # add_middleware puts each new one outermost.
+    app.add_middleware(RequestValidator, tokenizer_manager=tokenizer_manager, checks=validator_checks)
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes())
+    app.add_middleware(ContractErrors)
+    return None
+
+
+def installed() -> bool:
+    from sglang.srt.entrypoints.http_server import app
+
+    return any(m.cls is ContractErrors for m in app.user_middleware)

@@ -1,0 +1,79 @@
+"""request_guard's ASGI layers on a stand-in app: contract bodies for upstream's own 4xx, 413 before reading."""
+
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from glm53_serving import request_guard
+
+LIMIT = 1024
+READ = []
+
+
+async def upstream_generate(request):
+    READ.append(len(await request.body()))
+    shape = request.query_params.get("shape")
+    if shape == "str":
+        return JSONResponse({"error": "invalid type: string \"hot\", expected f64"}, status_code=400)
+    if shape == "object":
+        return JSONResponse({"object": "error", "message": "Messages cannot be empty.", "code": 400}, status_code=400)
+    if shape == "text":
+        return PlainTextResponse("Not Found", status_code=404)
+    if shape == "contract":
+        return JSONResponse({"error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}},
+                            status_code=400)
+    return JSONResponse({"text": "ok"})
+
+
+async def upstream_other(request):
+    return JSONResponse({"detail": "theirs"}, status_code=400)
+
+
+@pytest.fixture
+def client(monkeypatch):
+    monkeypatch.setenv(request_guard.MAX_BODY_ENV, str(LIMIT))
+    app = Starlette(routes=[Route("/generate", upstream_generate, methods=["POST"]),
+                            Route("/v1/messages", upstream_other, methods=["POST"])])
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=LIMIT)
+    app.add_middleware(request_guard.ContractErrors)
+    READ.clear()
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("shape,status,message", [
+    ("str", 400, 'invalid type: string "hot", expected f64'),
+    ("object", 400, "Messages cannot be empty."),
+    ("text", 404, "Not Found"),
+])
+def test_upstream_rejections_get_the_contract_shape(client, shape, status, message):
+    r = client.post(f"/generate?shape={shape}", json={})
+    assert r.status_code == status
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                  "code": "not_found" if status == 404 else "invalid_request_error"}}
+
+
+def test_contract_bodies_and_successes_pass_unchanged(client):
+    r = client.post("/generate?shape=contract", json={})
+    assert r.json()["error"] == {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}
+    assert client.post("/generate", json={}).json() == {"text": "ok"}
+
+
+def test_other_endpoints_keep_their_own_error_shape(client):
+    # /v1/messages answers in Anthropic's shape: not ours to rewrite
+    assert client.post("/v1/messages", json={}).json() == {"detail": "theirs"}
+
+
+def test_declared_oversize_body_is_413_before_the_handler_reads_it(client):
+    r = client.post("/generate", content=b"x" * (LIMIT + 1))
+    assert r.status_code == 413 and READ == []
+    assert r.json()["error"] == {"message": f"Request body exceeds the limit of {LIMIT} bytes.",
+                                 "type": "invalid_request_error", "param": None, "code": "request_too_large",
+                                 "max_body_bytes": LIMIT}
+
+
+def test_chunked_oversize_body_is_413(client):
+    r = client.post("/generate", content=iter([b"x" * 600, b"x" * 600]))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
