@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from glm53_serving import tenants, validation
 from glm53_serving.admission import Limits, check
-from glm53_serving.errors import ClientError
+from glm53_serving.errors import CONTRACT, ClientError
 from glm53_serving.gateway.tokens import PromptCounter, Uncountable
 from glm53_serving.validation import RequestChecks
 
@@ -64,6 +64,25 @@ class GatewayConfig:
 
 def error_response(status: int, body: dict) -> JSONResponse:
     return JSONResponse(body, status_code=status)
+
+
+def worker_error_inside(message) -> dict | None:
+    """A worker's contract error body embedded in the router's rewritten PD error message (which
+    turns, e.g., decode's 500 kv_isolation_violation into a 500 `decode_error`), or None."""
+    if not isinstance(message, str):
+        return None
+    decoder = json.JSONDecoder()
+    start = message.find("{")
+    while start != -1:
+        try:
+            inner, _ = decoder.raw_decode(message, start)
+        except json.JSONDecodeError:
+            inner = None
+        err = inner.get("error") if isinstance(inner, dict) else None
+        if isinstance(err, dict) and err.get("code") in CONTRACT and isinstance(err.get("message"), str):
+            return {"error": err}
+        start = message.find("{", start + 1)
+    return None
 
 
 def routing_key(tenant: str, affinity: str) -> str:
@@ -204,6 +223,10 @@ class Gateway:
         try:
             body = json.loads(raw)
             if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
+                restored = worker_error_inside(body["error"]["message"])
+                if restored is not None:  # the router wrapped a worker's contract error: unwrap it
+                    return self._answer(tenant, endpoint, CONTRACT[restored["error"]["code"]][0], restored,
+                                        reason=restored["error"]["code"])
                 err = body["error"]
                 code = err.get("code") if isinstance(err.get("code"), str) else "upstream_error"
                 # The contract's keys, whatever the router rewrote (PD: type "Bad Request", no param).
