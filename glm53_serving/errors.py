@@ -23,6 +23,19 @@ CONTRACT: dict[str, tuple[int, str]] = {
 }
 
 
+# The scheduler-side KV guards' messages begin with these. sglang-router's PD error rewrite keeps
+# only a worker's message (code "decode_internal_error"), so the gateway restores the code from it.
+KV_ISOLATION_MESSAGE = "KV isolation violation:"
+KV_HANDOFF_MESSAGE = "PD handoff mismatch:"
+_CODE_BY_PREFIX = {KV_ISOLATION_MESSAGE: "kv_isolation_violation", KV_HANDOFF_MESSAGE: "kv_handoff_mismatch"}
+
+
+def code_from_message(message) -> str | None:
+    if not isinstance(message, str):
+        return None
+    return next((code for prefix, code in _CODE_BY_PREFIX.items() if message.startswith(prefix)), None)
+
+
 @dataclass
 class ClientError(ValueError):
     """A rejection with a contract code. A ValueError, so SGLang's own handlers treat it as a

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from http import HTTPStatus
 
+from glm53_serving.errors import KV_HANDOFF_MESSAGE
 from glm53_serving.kv_owner import VIOLATIONS
 
 logger = logging.getLogger("glm53_serving")
@@ -59,7 +60,7 @@ def check_prompt_length(result, self, decode_req, *args, **kwargs):
         logger.error("glm53_serving PD handoff length mismatch: request %s, prefill sent KV for %d prompt tokens, "
                      "decode pre-allocated %d. Aborting this request before decoding.", req.rid, carried, expected)
         VIOLATIONS.inc(where="handoff")
-        prepare_abort(req, f"PD handoff mismatch: prefill sent KV for {carried} prompt tokens, decode expected "
+        prepare_abort(req, f"{KV_HANDOFF_MESSAGE} prefill sent KV for {carried} prompt tokens, decode expected "
                            f"{expected}; the request was aborted before decoding.",
                       status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
         req.finished_reason.err_type = MISMATCH_CODE

@@ -39,6 +39,7 @@ from http import HTTPStatus
 
 import torch
 
+from glm53_serving.errors import KV_ISOLATION_MESSAGE
 from glm53_serving.metrics import LazyCounter
 
 logger = logging.getLogger("glm53_serving")
@@ -279,7 +280,7 @@ def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, ne
     req._glm53_quarantined = True
     req.skip_radix_cache_insert = True
     req.to_finish = FINISH_ABORT(
-        "KV isolation violation: this request's KV cache row referenced pages of another owner; "
+        f"{KV_ISOLATION_MESSAGE} this request's KV cache row referenced pages of another owner; "
         "it was aborted before any of its output was returned.",
         HTTPStatus.INTERNAL_SERVER_ERROR, VIOLATION_CODE)
 

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from glm53_serving import tenants, validation
 from glm53_serving.admission import Limits, check
-from glm53_serving.errors import CONTRACT, ClientError
+from glm53_serving.errors import CONTRACT, ClientError, code_from_message
 from glm53_serving.gateway.tokens import PromptCounter, Uncountable
 from glm53_serving.validation import RequestChecks
 
@@ -228,6 +228,11 @@ class Gateway:
                     return self._answer(tenant, endpoint, CONTRACT[restored["error"]["code"]][0], restored,
                                         reason=restored["error"]["code"])
                 err = body["error"]
+                kv_code = code_from_message(err["message"])
+                if kv_code is not None:  # the router kept only the message of a KV guard's 500
+                    return self._answer(tenant, endpoint, CONTRACT[kv_code][0], {"error": {
+                        "message": err["message"], "type": CONTRACT[kv_code][1], "param": None, "code": kv_code}},
+                        reason=kv_code)
                 code = err.get("code") if isinstance(err.get("code"), str) else "upstream_error"
                 # The contract's keys, whatever the router rewrote (PD: type "Bad Request", no param).
                 body = {"error": {**err, "message": str(err["message"]), "param": err.get("param"), "code": code,

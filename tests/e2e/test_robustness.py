@@ -245,11 +245,11 @@ def test_router_takes_what_the_gateway_forwards_and_refuses_past_its_own_limit(p
     # which judges the prompt (over the deployment's length), not the size.
     # (/generate: the router takes no token-id prompt on /v1/completions)
     big = {"input_ids": [7] * (9 * 1024 * 1024 // 2), "sampling_params": {"max_new_tokens": 1}}
-    r = httpx.post(f"{router}/generate", json=big, headers=pd.client_headers(), timeout=60)
+    r = httpx.post(f"{router}/generate", json=big, headers=auth(router), timeout=60)
     assert r.status_code == 400 and "prompt" in r.text and "413" not in r.text, r.text[:300]
     r = httpx.post(f"{pd.url}/generate", json=big, headers=pd.client_headers(), timeout=60)
     assert r.status_code == 413 and r.json()["error"]["max_body_bytes"] == 8 * 1024 * 1024
     huge = {"input_ids": [7] * (17 * 1024 * 1024 // 2), "sampling_params": {"max_new_tokens": 1}}
-    r = httpx.post(f"{router}/generate", json=huge, headers=pd.client_headers(), timeout=60)
+    r = httpx.post(f"{router}/generate", json=huge, headers=auth(router), timeout=60)
     assert r.status_code == 413, r.text[:300]
     serves_normally(pd.url, pd.client_headers())

@@ -90,3 +90,11 @@ def test_the_gateway_unwraps_a_workers_contract_error_from_the_routers_rewrite()
         assert worker_error_inside(wrapped) == inner
     for other in (None, 3, "", "plain text", '{"error": {"code": "decode_error", "message": "x"}}', "{broken"):
         assert worker_error_inside(other) is None
+
+
+def test_the_gateway_knows_the_kv_guards_messages_the_router_keeps():
+    from glm53_serving.errors import KV_HANDOFF_MESSAGE, KV_ISOLATION_MESSAGE, code_from_message
+
+    assert code_from_message(f"{KV_ISOLATION_MESSAGE} this request's ...") == "kv_isolation_violation"
+    assert code_from_message(f"{KV_HANDOFF_MESSAGE} prefill sent ...") == "kv_handoff_mismatch"
+    assert code_from_message("something else") is None and code_from_message(None) is None
