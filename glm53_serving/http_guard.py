@@ -48,6 +48,14 @@ def reject(error: ClientError, reason: str) -> None:
     REJECTIONS.inc(reason=reason, endpoint=endpoint)
 
 
+async def send_json(send, status: int, body: dict) -> None:
+    """One complete JSON response (every response our middlewares answer themselves)."""
+    raw = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+
 def current_path() -> str | None:
     slot = _slot.get()
     return slot.path if slot else None
@@ -75,12 +83,7 @@ class HardRejectMiddleware:
             if message["type"] == "http.response.body" and held is not None:
                 if slot.rejection is not None:
                     replaced = True
-                    body = json.dumps(slot.rejection.body()).encode()
-                    await send({"type": "http.response.start", "status": slot.rejection.status,
-                                "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(body)).encode())]})
-                    await send({"type": "http.response.body", "body": body, "more_body": False})
-                    return
+                    return await send_json(send, slot.rejection.status, slot.rejection.body())
                 start, held = held, None
                 await send(start)
             await send(message)

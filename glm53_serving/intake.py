@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from glm53_serving import admission, http_guard, request_guard, tenant_guard, validation
+from glm53_serving import admission, http_guard, tenant_guard, validation
 from glm53_serving.errors import ClientError
 
 
@@ -87,7 +87,7 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
             raise ClientError("context_length_exceeded", "admission limits are not initialised; refusing")
         check_token_ids(input_ids, self.model_config.vocab_size)
         validation.check_tokenized(input_ids, getattr(obj, "top_logprobs_num", None),
-                                   self.model_config.vocab_size, request_guard.current_endpoint())
+                                   self.model_config.vocab_size, http_guard.current_path())
         params = getattr(obj, "sampling_params", None)
         if not isinstance(params, dict):  # embedding requests: prompt bound only
             params = {}

@@ -14,7 +14,6 @@ Order, outermost first: ContractErrors -> RequestBodyLimitMiddleware -> RequestV
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 
@@ -29,25 +28,10 @@ logger = logging.getLogger("glm53_serving")
 MAX_BODY_ENV = "GLM53_MAX_BODY_BYTES"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a hand-launched server's limit (launcher: from the topology)
 
-_endpoint: contextvars.ContextVar[str | None] = contextvars.ContextVar("glm53_endpoint", default=None)
-
-
-def current_endpoint() -> str | None:
-    """The generation endpoint the current request came in on (for naming params), if any."""
-    return _endpoint.get()
-
-
 def max_body_bytes() -> int:
     value = int(os.environ.get(MAX_BODY_ENV, DEFAULT_MAX_BODY_BYTES))
     assert value > 0, f"{MAX_BODY_ENV} must be positive"
     return value
-
-
-async def _send_json(send, status: int, body: dict) -> None:
-    raw = orjson.dumps(body)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
-    await send({"type": "http.response.body", "body": raw, "more_body": False})
 
 
 class RequestValidator:
@@ -93,7 +77,7 @@ class RequestValidator:
         except ClientError as e:
             logger.info("glm53_serving rejected invalid request on %s: %s", path, e.message)
             http_guard.REJECTIONS.inc(reason=f"invalid_{e.param}" if e.param else "invalid_body", endpoint=path)
-            return await _send_json(send, e.status, e.body())
+            return await http_guard.send_json(send, e.status, e.body())
 
         replayed = False
 
@@ -104,11 +88,7 @@ class RequestValidator:
                 return {"type": "http.request", "body": raw, "more_body": False}
             return await receive()  # after the body: the client's disconnect, for streaming aborts
 
-        token = _endpoint.set(path)
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            _endpoint.reset(token)
+        await self.app(scope, replay, send)
 
 
 class ContractErrors:
@@ -142,7 +122,7 @@ class ContractErrors:
                                 "headers": [(b"content-type", b"application/json"),
                                             (b"content-length", str(len(raw)).encode())]})
                     return await send({"type": "http.response.body", "body": raw, "more_body": False})
-                return await _send_json(send, status, contract_body(status, raw))
+                return await http_guard.send_json(send, status, contract_body(status, raw))
             await send(message)
 
         await self.app(scope, receive, guarded_send)

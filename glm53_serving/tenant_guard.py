@@ -20,7 +20,6 @@ calling /flush_cache, /update_weights_*, /pause_generation... on a worker's publ
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import re
 from collections import OrderedDict
@@ -128,15 +127,12 @@ class TenantGuardMiddleware:
         elif access is Access.ADMIN and not principal.is_admin:
             error = ClientError("permission_denied", f"{path} is an operator endpoint.")
         if error is not None:
-            from glm53_serving.http_guard import REJECTIONS
+            from glm53_serving.http_guard import REJECTIONS, send_json
 
             REJECTIONS.inc(reason=error.code, endpoint=path if path in ROUTES else "other")
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008})
-            body = json.dumps(error.body()).encode()
-            await send({"type": "http.response.start", "status": error.status,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-            return await send({"type": "http.response.body", "body": body})
+            return await send_json(send, error.status, error.body())
         token = _principal.set(principal)
         try:
             await self.app(scope, receive, send)

@@ -135,42 +135,40 @@ class Gateway:
     # --- handlers -----------------------------------------------------------------------------
 
     async def generation(self, request: Request) -> Response:
+        return await self.admit_and_forward(request, self.judge_generation)
+
+    async def tenant_object(self, request: Request) -> Response:
+        return await self.admit_and_forward(request, None)
+
+    async def admit_and_forward(self, request: Request, judge) -> Response:
+        """Authenticate, read the body within the limit, let `judge` refuse it, then forward."""
         endpoint = request.url.path
         tenant = UNAUTHENTICATED
         try:
             tenant = self.authenticate(request)
             raw = await self.read_body(request)
-            # The workers' own validation, here first: behind the router a worker's 400 loses its
-            # `param` (PD bodies are rewritten) and the router judges some fields by other bounds.
-            body = validation.parse_body(raw, request.headers.get("content-type"))
-            self.validator.check(endpoint, body)
-            for name in DEPLOYMENT_FIELDS:
-                if name in body:
-                    raise ClientError("invalid_request_error", f"{name} is set by the deployment, not by clients.",
-                                      param=name)
-            try:
-                prompt, max_new = self.counter.count(endpoint, body)
-            except Uncountable:
-                prompt = None  # not ours to judge: the worker validates it with its own checks
-            if prompt is not None:
-                check(self.cfg.limits, prompt, max_new)
+            if judge is not None:
+                judge(request, endpoint, raw)
         except ClientError as e:
             return self._answer(tenant, endpoint, e.status, e.body(), reason=e.code)
         except ClientDisconnect:
             return Response(status_code=499)
         return await self.forward(request, tenant, endpoint, raw)
 
-    async def tenant_object(self, request: Request) -> Response:
-        endpoint = request.url.path
-        tenant = UNAUTHENTICATED
+    def judge_generation(self, request: Request, endpoint: str, raw: bytes) -> None:
+        # The workers' own validation, here first: behind the router a worker's 400 loses its
+        # `param` (PD bodies are rewritten) and the router judges some fields by other bounds.
+        body = validation.parse_body(raw, request.headers.get("content-type"))
+        self.validator.check(endpoint, body)
+        for name in DEPLOYMENT_FIELDS:
+            if name in body:
+                raise ClientError("invalid_request_error", f"{name} is set by the deployment, not by clients.",
+                                  param=name)
         try:
-            tenant = self.authenticate(request)
-            raw = await self.read_body(request)
-        except ClientError as e:
-            return self._answer(tenant, endpoint, e.status, e.body(), reason=e.code)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        return await self.forward(request, tenant, endpoint, raw)
+            prompt, max_new = self.counter.count(endpoint, body)
+        except Uncountable:
+            return  # not ours to judge: the worker validates it with its own checks
+        check(self.cfg.limits, prompt, max_new)
 
     def upstream_headers(self, request: Request, tenant: str) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
