@@ -143,7 +143,7 @@ def asym_config(tmp_path, prefill_kv, decode_kv):
 
 
 @pytest.mark.parametrize("prefill_kv, decode_kv", [(2048, 256), (256, 2048)], ids=["decode-smaller", "prefill-smaller"])
-def test_asymmetric_pools_reject_in_under_a_second_and_serve_below(tmp_path, prefill_kv, decode_kv):
+def test_asymmetric_pools_reject_at_once_and_serve_below(tmp_path, prefill_kv, decode_kv):
     cfg = asym_config(tmp_path, prefill_kv, decode_kv)
     ctx, limits = Topology.load(cfg).admission_plan()
     assert ctx == 256
@@ -153,13 +153,15 @@ def test_asymmetric_pools_reject_in_under_a_second_and_serve_below(tmp_path, pre
         for w in ("prefill-0", "decode-0"):
             (m,) = httpx.get(f"{run.worker(w)}/v1/models", timeout=30).json()["data"]
             assert m["max_model_len"] == 256
-        # A prompt the bigger role alone would take, the smaller one not: upstream hangs here.
+        # A prompt the bigger role alone would take, the smaller one not: upstream hangs here until the
+        # client gives up (30 s). Ours answers in 0.005-0.09 s on an idle machine; the bound leaves
+        # room for a loaded CI machine (1.2 s seen once) and still fails on a hang.
         for n in (limits.max_input_tokens, limits.max_input_tokens + 5):
             for stream in (False, True):
                 t0 = time.monotonic()
                 r = httpx.post(f"{run.url}/generate", json=over_length("/generate", stream, n_prompt=n), timeout=30,
                                headers=auth(run.url))
-                assert time.monotonic() - t0 < 1.0 and r.status_code == 400, r.text
+                assert time.monotonic() - t0 < 5.0 and r.status_code == 400, r.text
                 assert f"prompts of at most {limits.max_input_tokens - 1} tokens" in r.text
         ok = httpx.post(f"{run.url}/generate", timeout=120, headers=auth(run.url), json={
             "input_ids": [5] * (limits.max_input_tokens - 1), "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
