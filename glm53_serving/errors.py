@@ -30,10 +30,20 @@ KV_HANDOFF_MESSAGE = "PD handoff mismatch:"
 _CODE_BY_PREFIX = {KV_ISOLATION_MESSAGE: "kv_isolation_violation", KV_HANDOFF_MESSAGE: "kv_handoff_mismatch"}
 
 
-def code_from_message(message) -> str | None:
+def code_from_message(message) -> tuple[str, str] | None:
+    """(code, our message) when a server's 5xx message carries a KV guard's message: at its start,
+    or inside the message of an upstream abort that wraps it (PD decode reports a transfer that
+    prefill failed as "Decode transfer failed ... KVTransferError(...): <prefill's reason>").
+    Callers only ask for server errors (5xx), whose messages the server wrote."""
     if not isinstance(message, str):
         return None
-    return next((code for prefix, code in _CODE_BY_PREFIX.items() if message.startswith(prefix)), None)
+    for prefix, code in _CODE_BY_PREFIX.items():
+        at = message.find(prefix)
+        if at != -1:
+            # Our messages hold no double quote: inside a JSON text (the router cuts a PD stream's
+            # error body mid-JSON) the first one ends it.
+            return code, message[at:].split('"', 1)[0]
+    return None
 
 
 @dataclass

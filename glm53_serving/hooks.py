@@ -178,6 +178,14 @@ HOOKS: tuple[Hook, ...] = (
         "paged pools: after a cache flush every page is free and unowned",
         part="owner",
     ),
+    Hook(
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.kv_status_msg_carries_reason",
+        Kind.ATTR, None, (),
+        "PD: prefill fails the transfer of a request its owner check aborted (kv_owner._tell_decode) "
+        "and decode answers with that reason (kv_isolation_violation); Mooncake's status message "
+        "drops the reason unless asked (NIXL and Mori carry it)",
+        value=True, process="scheduler", part="owner",
+    ),
     # --- PD handoff length check (kv_handoff.py) --------------------------------------------
     Hook(
         "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf", Kind.AFTER,

@@ -22,7 +22,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from glm53_serving.errors import ClientError
+from glm53_serving.errors import ClientError, code_from_message
 from glm53_serving.metrics import LazyCounter
 
 logger = logging.getLogger("glm53_serving")
@@ -104,10 +104,15 @@ def contract_abort_hook(self, out, state, is_stream, *args, **kwargs):
     its own 500 body, or an error inside a 200 stream; the middleware sends ours instead, before
     any byte of the upstream response (nothing of the request's output reaches the client)."""
     reason = (out.get("meta_info") or {}).get("finish_reason") or {}
-    code = _KV_ABORTS.get(reason.get("err_type")) if reason.get("type") == "abort" else None
+    if reason.get("type") != "abort":
+        return None
+    code, message = _KV_ABORTS.get(reason.get("err_type")), reason.get("message")
+    if code is None and reason.get("status_code") == 500:
+        # PD decode: prefill failed the transfer for a KV guard's reason (kv_owner._tell_decode),
+        # and upstream's abort wraps that reason in its own message.
+        code, message = code_from_message(message) or (None, message)
     if code is not None:
-        reject(ClientError(code, reason.get("message") or code, details={"rid": getattr(state.obj, "rid", None)}),
-               reason=code)
+        reject(ClientError(code, message or code, details={"rid": getattr(state.obj, "rid", None)}), reason=code)
     return None
 
 

@@ -277,12 +277,25 @@ def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, ne
     if own_pages:
         _redirect_to_fresh(batch, req, row, own_pages, ns)
 
+    message = (f"{KV_ISOLATION_MESSAGE} this request's KV cache row referenced pages of another owner; "
+               "it was aborted before any of its output was returned.")
     req._glm53_quarantined = True
     req.skip_radix_cache_insert = True
-    req.to_finish = FINISH_ABORT(
-        f"{KV_ISOLATION_MESSAGE} this request's KV cache row referenced pages of another owner; "
-        "it was aborted before any of its output was returned.",
-        HTTPStatus.INTERNAL_SERVER_ERROR, VIOLATION_CODE)
+    req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, VIOLATION_CODE)
+    _tell_decode(req, message)
+
+
+def _tell_decode(req, message: str) -> None:
+    """PD prefill: fail the request's transfer towards decode now. Upstream's abort of a prefill
+    request only marks the room failed locally, and decode (its pages pre-allocated, the client
+    waiting) would wait for a transfer that never comes until its own timeout (300 s)."""
+    sender = getattr(req, "disagg_kv_sender", None)
+    if sender is None or getattr(req, "bootstrap_room", None) is None:
+        return
+    try:
+        sender.kv_mgr.conclude_failure(bootstrap_room=req.bootstrap_room, failure_reason=message)
+    except Exception:  # noqa: BLE001 - decode then times out: slow, but nothing is read or returned
+        logger.exception("glm53_serving: could not tell decode that request %s failed the KV owner check", req.rid)
 
 
 def _redirect_to_fresh(batch, req, row: int, logical_pages: list[int], ns: int) -> None:

@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("add", help="add a tenant (or a new key for one) and print the key once")
     a.add_argument("file", type=Path)
     a.add_argument("tenant")
+    k = sub.add_parser("new-key", help="create the deployment's assertion key (0600; refuses to overwrite)")
+    k.add_argument("key_file", type=Path)
     t = sub.add_parser("admin-token", help="print an admin assertion for a worker's control endpoints")
     t.add_argument("key_file", type=Path)
     t.add_argument("--ttl-s", type=int, default=300)
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(key)
         print(f"added a key for tenant {args.tenant!r} to {args.file}; this key is not stored and will not "
               "be shown again", file=sys.stderr)
+    elif args.cmd == "new-key":
+        print(f"created {new_assertion_key(args.key_file)}", file=sys.stderr)
     else:
         print(mint(load_assertion_key(args.key_file), ADMIN, args.ttl_s))
     return 0

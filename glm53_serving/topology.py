@@ -102,6 +102,13 @@ class TenantsConf:
         assert (self.mode == "file") == (self.file is not None), "tenants: set file exactly when mode = \"file\""
 
 
+# Always on the router's command line: one tenant's failing requests must not make the router
+# refuse everyone. Its circuit breaker counts a worker's 5xx (a kv_isolation_violation, say) and
+# then answers every tenant 503 for about a minute; its retries re-send a non-idempotent
+# generation up to 5 times. Dead workers are still taken out by the router's health checks.
+ROUTER_SHARED_FATE_OFF = ("--disable-circuit-breaker", "--disable-retries")
+
+
 @dataclass(slots=True)
 class RouterConf:
     policy: str = "round_robin"
@@ -112,6 +119,10 @@ class RouterConf:
     def __post_init__(self):
         for flag in ("--max-payload-size", "--request-timeout-secs"):
             assert flag not in self.args, f"set {flag} through [router] max_payload_bytes / request_timeout_s, not args"
+        for arg in self.args:
+            assert not arg.startswith(("--retry-", "--cb-")), (
+                f"router {arg}: the launcher always runs the router without retries and without a circuit breaker "
+                "(ROUTER_SHARED_FATE_OFF); a retry or breaker setting would let one tenant's failures refuse others")
 
 
 @dataclass(slots=True)
@@ -283,6 +294,7 @@ class Topology:
             "--prometheus-host", self.host, "--prometheus-port", str(prometheus_port),
             "--max-payload-size", str(self.body_limits()[1]),
             "--request-timeout-secs", str(math.ceil(self.router_timeout_s())),
+            *ROUTER_SHARED_FATE_OFF,
         ]
         for url, boot in prefills:
             argv += ["--prefill", url, str(boot)]

@@ -1,11 +1,14 @@
 """End-to-end costs against upstream, each in one run, with SGLang's own load generator.
 
     python -m glm53_serving.bench.serving gateway   # PD: client -> gateway -> router vs. client -> router
+    python -m glm53_serving.bench.serving gateway --topology single  # gateway -> server vs. server
     python -m glm53_serving.bench.serving kv_guard  # single server: guards on vs. GLM53_SERVING_DISABLE=1
 
-Each side runs `sglang.bench_serving` (dataset random-ids, greedy) the same number of times,
-alternating, on the same deployment where possible; the best throughput and the median
-latencies of each side are compared and printed as ratios. Not a test: numbers, for docs/.
+Each side runs `sglang.bench_serving` (dataset random-ids, greedy) once to warm up (not
+counted), then the same number of times, alternating between the sides (kv_guard: two servers
+up at once; gateway: one deployment reached two ways); the median throughput and the median
+latencies of each side's rounds are compared and printed as ratios, every round listed. Not a
+test: numbers, for docs/.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from glm53_serving import tenants
 from glm53_serving.models import tiny
@@ -63,10 +69,13 @@ def bench(url: str, a, out: Path, key: str) -> dict:
 
 def compare(name_a: str, runs_a: list[dict], name_b: str, runs_b: list[dict]) -> None:
     def summary(runs):
-        tput = max(r["output_throughput"] for r in runs)
-        p50 = sorted(r["median_e2e_latency_ms"] for r in runs)[len(runs) // 2]
-        p99 = sorted(r["p99_e2e_latency_ms"] for r in runs)[len(runs) // 2]
-        return tput, p50, p99
+        return (statistics.median(r[k] for r in runs)
+                for k in ("output_throughput", "median_e2e_latency_ms", "p99_e2e_latency_ms"))
+
+    for name, runs in ((name_a, runs_a), (name_b, runs_b)):
+        for i, r in enumerate(runs):
+            print(f"{name:>22} round {i}: {r['output_throughput']:8.1f} tok/s, e2e p50 {r['median_e2e_latency_ms']:8.2f} ms, "
+                  f"ttft p50 {r['median_ttft_ms']:8.2f} ms, itl p50 {r['median_itl_ms']:6.2f} ms")
 
     ta, pa50, pa99 = summary(runs_a)
     tb, pb50, pb99 = summary(runs_b)
@@ -78,36 +87,57 @@ def compare(name_a: str, runs_a: list[dict], name_b: str, runs_b: list[dict]) ->
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("gateway", "kv_guard"))
-    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--request-rate", default="inf")
+    p.add_argument("--topology", choices=("pd", "single"), default="pd", help="gateway: the deployment to drive")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="counted rounds per side, after one warm-up round each")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="glm53-bench-"))
     print(f"{a.what}: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
           f"{a.rounds} alternating rounds per side; logs in {tmp}")
     if a.what == "gateway":
-        proc, info = start(tmp / "pd")
-        router = next(x["url"] for x in info["processes"] if x["name"] == "router")
+        proc, info = start(tmp / a.topology, "--topology", a.topology)
+        behind = "router" if a.topology == "pd" else "server"  # what the gateway forwards to
+        router = next(x["url"] for x in info["processes"] if x["name"] == behind)
         try:
             runs = {"gateway": [], "router": []}
-            for i in range(a.rounds):
+            hop = {name: psutil.Process(next(x["pid"] for x in info["processes"] if x["name"] == name))
+                   for name in ("gateway", behind)}
+            cpu_s, requests = {name: 0.0 for name in hop}, 0
+            for i in range(a.rounds + 1):
                 for side, url in (("gateway", info["client_url"]), ("router", router)):
-                    runs[side].append(bench(url, a, tmp / f"{side}-{i}.jsonl", credential(info, side)))
+                    before = {name: sum(p.cpu_times()[:2]) for name, p in hop.items()}
+                    r = bench(url, a, tmp / f"{side}-{i}.jsonl", credential(info, side))
+                    if i:
+                        runs[side].append(r)
+                        if side == "gateway":  # what each hop spends on a request that crosses both
+                            requests += r["completed"]
+                            for name, p in hop.items():
+                                cpu_s[name] += sum(p.cpu_times()[:2]) - before[name]
         finally:
             stop(proc)
-        compare("via gateway", runs["gateway"], "straight to router", runs["router"])
+        compare("via gateway", runs["gateway"], f"straight to {behind}", runs["router"])
+        per = {name: 1000 * cpu_s[name] / requests for name in cpu_s}
+        print(f"{'CPU per request':>22}: gateway {per['gateway']:.2f} ms, {behind} {per[behind]:.2f} ms "
+              f"(process CPU time over the counted gateway rounds, {requests} requests)")
     else:
-        runs = {"on": [], "off": []}
-        for side, env in (("on", {}), ("off", {"GLM53_SERVING_DISABLE": "1"})):
-            proc, info = start(tmp / side, "--topology", "single", env=env)
-            server = next(x["url"] for x in info["processes"] if x["name"] == "server")
-            try:
-                for i in range(a.rounds):
-                    runs[side].append(bench(server, a, tmp / f"{side}-{i}.jsonl", credential(info, "server")))
-            finally:
+        # Both deployments up at once (an idle one sleeps: --sleep-on-idle), rounds alternating,
+        # so that drift of the machine hits both sides alike.
+        runs, deployments = {"on": [], "off": []}, {}
+        try:
+            for side, env in (("on", {}), ("off", {"GLM53_SERVING_DISABLE": "1"})):
+                deployments[side] = start(tmp / side, "--topology", "single", env=env)
+            for i in range(a.rounds + 1):
+                for side, (_, info) in deployments.items():
+                    server = next(x["url"] for x in info["processes"] if x["name"] == "server")
+                    r = bench(server, a, tmp / f"{side}-{i}.jsonl", credential(info, "server"))
+                    if i:
+                        runs[side].append(r)
+        finally:
+            for proc, _ in deployments.values():
                 stop(proc)
         compare("kv guard on", runs["on"], "guards off (upstream)", runs["off"])
 

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
                         upstream_timeout_s=a.upstream_timeout_s, max_n=a.max_n,
                         tenants=tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None,
                         assertion_key=key)
-    uvicorn.run(build_app(cfg), host=a.host, port=a.port, log_level="warning", access_log=False)
+    uvicorn.run(build_app(cfg), host=a.host, port=a.port, log_level="warning", access_log=False,
+                loop="uvloop", http="httptools")
 
 
 if __name__ == "__main__":

@@ -174,3 +174,23 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
     assert len(published) >= 4, events
     assert all(e["all_zero"] for e in published), [e for e in published if not e["all_zero"]]
     assert any(e.get("fault") == "short_handoff" for e in events)
+
+
+def test_pd_prefill_side_violation_fails_the_request_at_once_not_at_decodes_timeout(faulty_pd):
+    """Prefill's owner check fails a request (another tenant's live slot in its row). Upstream
+    only marks the transfer failed on prefill: decode, its pages pre-allocated, waited 300 s for
+    KV that never came, and the client with it. Prefill now fails the transfer towards decode."""
+    run = faulty_pd
+    prefill = run.worker("prefill-0")
+    expected = generate(run).json()["output_ids"]  # demo's prompt now cached on prefill: a live foreign slot
+    before = metric(prefill, "glm53_kv_isolation_violations_total", run.worker_headers(), where="extend")
+    for stream in (False, True):
+        t0 = time.monotonic()
+        r = generate(run, rid=f"kvfault-foreign-prefill-{int(stream)}", tenant="demo-b", stream=stream)
+        took = time.monotonic() - t0
+        assert_contract_500(r, "kv_isolation_violation")
+        assert took < 30, f"answered after {took:.1f} s: decode waited for its transfer timeout"
+    assert metric(prefill, "glm53_kv_isolation_violations_total", run.worker_headers(), where="extend") >= before + 2
+    for tenant in ("demo-b", "demo"):  # decode released the destination; both tenants are served
+        again = generate(run, tenant=tenant)
+        assert again.status_code == 200 and again.json()["output_ids"] == expected, again.text[:300]

@@ -95,6 +95,15 @@ def test_the_gateway_unwraps_a_workers_contract_error_from_the_routers_rewrite()
 def test_the_gateway_knows_the_kv_guards_messages_the_router_keeps():
     from glm53_serving.errors import KV_HANDOFF_MESSAGE, KV_ISOLATION_MESSAGE, code_from_message
 
-    assert code_from_message(f"{KV_ISOLATION_MESSAGE} this request's ...") == "kv_isolation_violation"
-    assert code_from_message(f"{KV_HANDOFF_MESSAGE} prefill sent ...") == "kv_handoff_mismatch"
+    ours = f"{KV_ISOLATION_MESSAGE} this request's ..."
+    assert code_from_message(ours) == ("kv_isolation_violation", ours)
+    assert code_from_message(f"{KV_HANDOFF_MESSAGE} prefill sent ...") == ("kv_handoff_mismatch",
+                                                                          f"{KV_HANDOFF_MESSAGE} prefill sent ...")
+    # PD decode wraps the reason prefill gave for failing the transfer in its own message.
+    wrapped = f"Decode transfer failed for request rank=0 rid='r' with exception KVTransferError(bootstrap_room=7): {ours}"
+    assert code_from_message(wrapped) == ("kv_isolation_violation", ours)
+    # The router cuts a PD stream's error body mid-JSON; the message still ends at its closing quote.
+    cut = 'data: {\'error\': {"message":{"error":{"message":"' + ours + '","type":"server_error","code":"kv_is'
+    assert code_from_message(cut) == ("kv_isolation_violation", ours)
+    assert '"' not in KV_ISOLATION_MESSAGE + KV_HANDOFF_MESSAGE
     assert code_from_message("something else") is None and code_from_message(None) is None

@@ -16,6 +16,13 @@ CONFIGS = sorted(REPO_LAUNCH_DIR.glob("*.toml"))
 def test_every_shipped_topology_loads(path):
     topo = Topology.load(path)
     assert topo.topology in ("single", "pd")
+    assert topo.tenants.mode != "off"
+    if topo.topology == "pd":
+        # No tenant's failures may make the router refuse the others (issue: no cross-tenant DoS),
+        # and affinity needs the manual policy.
+        argv = topo.router_argv(1, 2, [("http://p", 3)], ["http://d"])
+        assert {"--disable-retries", "--disable-circuit-breaker"} <= set(argv)
+        assert argv[argv.index("--policy") + 1] == "manual"
 
 
 def test_cpu_default_derives_cpu_only_settings():
@@ -57,6 +64,8 @@ M = '[model]\npreset = "glm53-tiny"\ncontext_length = 512\n[worker]\nkv_tokens =
     (M + '[decode]\nmax_body_bytes = 10\n', "set it in \\[worker\\]"),
     (M + '[gateway]\nupstream_timeout_s = 100\n[router]\nrequest_timeout_s = 100\n', "gateway answers first"),
     (M + '[router]\nargs = ["--max-payload-size", "9"]\n', "max_payload_bytes"),
+    (M + '[router]\nargs = ["--retry-max-retries", "3"]\n', "without retries"),
+    (M + '[router]\nargs = ["--cb-failure-threshold", "50"]\n', "without a circuit breaker"),
 ])
 def test_bad_topologies_fail_at_load(tmp_path, body, msg):
     p = tmp_path / "bad.toml"

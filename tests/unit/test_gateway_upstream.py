@@ -1,0 +1,95 @@
+"""The gateway's upstream hop against a real HTTP server standing in for the router: explicit
+timeouts, an unreachable upstream, chunk-by-chunk streaming. Each failure is a JSON body with
+the contract's keys."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from glm53_serving.admission import Limits
+from glm53_serving.gateway.app import GatewayConfig, build_app
+from glm53_serving.models import tiny
+
+BODY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
+
+
+async def generate(request):
+    body = await request.json()
+    delay = float(request.query_params.get("delay", 0))
+    if body.get("stream"):
+        async def events():
+            for i in range(5):
+                yield f"data: {i}\n\n".encode()
+                await asyncio.sleep(delay)
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    await asyncio.sleep(delay)
+    return JSONResponse({"text": "ok", "peer": request.client.port})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/generate", generate, methods=["POST"])]),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def gateway(upstream_url: str, timeout_s: float = 30.0) -> TestClient:
+    cfg = GatewayConfig(upstream=upstream_url, model_path=str(tiny.ensure()), served_model_name="glm53-tiny",
+                        context_length=512, limits=Limits(506, 510, 512), upstream_timeout_s=timeout_s,
+                        connect_timeout_s=2.0)
+    return TestClient(build_app(cfg))
+
+
+def test_an_upstream_slower_than_the_timeout_is_a_504_with_the_contract_body(upstream):
+    with gateway(upstream, timeout_s=0.5) as gw:
+        t0 = time.monotonic()
+        r = gw.post("/generate?delay=3", json=BODY)
+        took = time.monotonic() - t0
+        assert r.status_code == 504 and took < 3, (r.status_code, took)
+        assert r.json()["error"] == {"message": "The model server did not answer in time.", "type": "server_error",
+                                     "param": None, "code": "upstream_timeout"}
+        assert gw.post("/generate", json=BODY).json()["text"] == "ok"  # and the next one is served
+
+
+def test_an_unreachable_upstream_is_a_502_with_the_contract_body():
+    with gateway(f"http://127.0.0.1:{free_port()}") as gw:
+        r = gw.post("/generate", json=BODY)
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["code"] == "upstream_unavailable" and err["type"] == "server_error" and err["param"] is None
+        assert err["message"].startswith("The model server is unreachable")
+
+
+def test_a_stream_passes_through_chunk_by_chunk(upstream):
+    with gateway(upstream) as gw:
+        with gw.stream("POST", "/generate?delay=0.3", json={**BODY, "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            first_at, t0, chunks = None, time.monotonic(), []
+            for chunk in r.iter_bytes():
+                first_at = first_at or time.monotonic() - t0
+                chunks.append(chunk)
+        # The first event arrives while the upstream is still sleeping between the others.
+        assert first_at < 1.0, first_at
+        assert b"".join(chunks) == b"".join(f"data: {i}\n\n".encode() for i in range(5)) + b"data: [DONE]\n\n"
