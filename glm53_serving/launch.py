@@ -293,9 +293,9 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
     env = {**topo.process_env(), **tenancy.env()}
     h = topo.host
 
-    def child(name: str, argv_for_port, extra_env: dict[str, str] | None = None) -> Child:
+    def child(name: str, argv_for_port, extra_env: dict[str, str] | None = None, base: dict[str, str] = env) -> Child:
         port = free_port(h)
-        return Child(name, argv_for_port(port), {**env, **(extra_env or {})}, f"http://{h}:{port}", run_dir / f"{name}.log")
+        return Child(name, argv_for_port(port), {**base, **(extra_env or {})}, f"http://{h}:{port}", run_dir / f"{name}.log")
 
     if topo.topology == "single":
         servers = [child("server", lambda port: topo.server_argv(model_path, port, "single"))]
@@ -310,8 +310,10 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
         decodes = [child(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"), trusted)
                    for i in range(topo.decode.count)]
         servers = [*prefills, *decodes]
+        # The router forwards the gateway's assertions and never checks one: it gets no key.
         router = child("router", lambda port: topo.router_argv(
-            port, free_port(h), [(p.url, b) for p, b in zip(prefills, boots)], [d.url for d in decodes]))
+            port, free_port(h), [(p.url, b) for p, b in zip(prefills, boots)], [d.url for d in decodes]),
+            base=topo.process_env())
         upstream = router.url
     gateway = child("gateway", lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file))
     return Plan(servers, router, gateway)

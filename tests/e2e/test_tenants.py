@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from glm53_serving import tenants
@@ -86,6 +87,12 @@ def test_a_worker_reached_without_the_gateway_cannot_claim_a_tenant(single, pd, 
             assert_error(r, 401, "invalid_api_key")
     assert metric(url, "glm53_rejections_total", reason="invalid_api_key") >= 15
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # open
+
+
+def test_only_the_gateway_and_the_workers_hold_the_assertion_key(pd):
+    """The router forwards assertions and never checks one: it is not given the key."""
+    holders = {p["name"]: tenants.KEY_FILE_ENV in psutil.Process(p["pid"]).environ() for p in pd.info["processes"]}
+    assert holders == {"prefill-0": True, "decode-0": True, "router": False, "gateway": True}, holders
 
 
 # --- namespaces ------------------------------------------------------------------------------
