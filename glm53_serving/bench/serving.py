@@ -2,7 +2,8 @@
 
     python -m glm53_serving.bench.serving gateway   # PD: client -> gateway -> router vs. client -> router
     python -m glm53_serving.bench.serving gateway --topology single  # gateway -> server vs. server
-    python -m glm53_serving.bench.serving kv_guard  # single server: guards on vs. GLM53_SERVING_DISABLE=1
+    python -m glm53_serving.bench.serving kv_guard  # single server: KV guard on vs. GLM53_KV_GUARD_OFF=zero,owner,handoff
+    python -m glm53_serving.bench.serving kv_guard --vs-upstream  # ... vs. GLM53_SERVING_DISABLE=1
 
 Each side runs `sglang.bench_serving` (dataset random-ids, greedy) once to warm up (not
 counted), then the same number of times, alternating between the sides (kv_guard: two servers
@@ -27,6 +28,8 @@ from pathlib import Path
 import psutil
 
 from glm53_serving import tenants
+from glm53_serving.hooks import KV_PARTS
+from glm53_serving.plugin import KV_OFF_ENV
 from glm53_serving.models import tiny
 
 
@@ -93,6 +96,7 @@ def main(argv=None) -> None:
     p.add_argument("--request-rate", default="inf")
     p.add_argument("--topology", choices=("pd", "single"), default="pd", help="gateway: the deployment to drive")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--vs-upstream", action="store_true", help="kv_guard: compare with the whole plugin off")
     p.add_argument("--rounds", type=int, default=4, help="counted rounds per side, after one warm-up round each")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="glm53-bench-"))
@@ -128,7 +132,10 @@ def main(argv=None) -> None:
         # so that drift of the machine hits both sides alike.
         runs, deployments = {"on": [], "off": []}, {}
         try:
-            for side, env in (("on", {}), ("off", {"GLM53_SERVING_DISABLE": "1"})):
+            # Off: the KV guard's three parts only (tenants, validation, admission stay on, so the
+            # difference is the KV guard's); --vs-upstream: the whole plugin off.
+            off = {"GLM53_SERVING_DISABLE": "1"} if a.vs_upstream else {KV_OFF_ENV: ",".join(KV_PARTS)}
+            for side, env in (("on", {}), ("off", off)):
                 deployments[side] = start(tmp / side, "--topology", "single", env=env)
             for i in range(a.rounds + 1):
                 for side, (_, info) in deployments.items():
@@ -139,7 +146,7 @@ def main(argv=None) -> None:
         finally:
             for proc, _ in deployments.values():
                 stop(proc)
-        compare("kv guard on", runs["on"], "guards off (upstream)", runs["off"])
+        compare("kv guard on", runs["on"], "whole plugin off" if a.vs_upstream else "kv guard off", runs["off"])
 
 
 if __name__ == "__main__":
