@@ -44,6 +44,11 @@ def start(run_dir: Path, *args: str, env: dict | None = None) -> tuple[subproces
     return proc, json.loads(ready.read_text())
 
 
+def process(info: dict, name: str) -> dict:
+    """One of the deployment's processes from its ready.json: name, pid, url, log."""
+    return next(x for x in info["processes"] if x["name"] == name)
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
     proc.wait(120)
@@ -105,11 +110,10 @@ def main(argv=None) -> None:
     if a.what == "gateway":
         proc, info = start(tmp / a.topology, "--topology", a.topology)
         behind = "router" if a.topology == "pd" else "server"  # what the gateway forwards to
-        router = next(x["url"] for x in info["processes"] if x["name"] == behind)
+        router = process(info, behind)["url"]
         try:
             runs = {"gateway": [], "router": []}
-            hop = {name: psutil.Process(next(x["pid"] for x in info["processes"] if x["name"] == name))
-                   for name in ("gateway", behind)}
+            hop = {name: psutil.Process(process(info, name)["pid"]) for name in ("gateway", behind)}
             cpu_s, requests = {name: 0.0 for name in hop}, 0
             for i in range(a.rounds + 1):
                 for side, url in (("gateway", info["client_url"]), ("router", router)):
@@ -139,8 +143,7 @@ def main(argv=None) -> None:
                 deployments[side] = start(tmp / side, "--topology", "single", env=env)
             for i in range(a.rounds + 1):
                 for side, (_, info) in deployments.items():
-                    server = next(x["url"] for x in info["processes"] if x["name"] == "server")
-                    r = bench(server, a, tmp / f"{side}-{i}.jsonl", credential(info, "server"))
+                    r = bench(process(info, "server")["url"], a, tmp / f"{side}-{i}.jsonl", credential(info, "server"))
                     if i:
                         runs[side].append(r)
         finally:

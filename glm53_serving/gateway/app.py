@@ -240,14 +240,10 @@ class Gateway:
         try:
             body = json.loads(raw)
             if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
-                restored = worker_error_inside(body["error"]["message"])
-                if restored is not None:  # the router wrapped a worker's contract error: unwrap it
-                    return self._answer(tenant, endpoint, CONTRACT[restored["error"]["code"]][0], restored,
-                                        reason=restored["error"]["code"])
                 err = body["error"]
-                kv = code_from_message(err["message"]) if status >= 500 else None
-                if kv is not None:  # the router kept only the message of a KV guard's 500
-                    return self._kv_error(tenant, endpoint, *kv)
+                restored = self._contract_error_in(tenant, endpoint, status, err["message"])
+                if restored is not None:
+                    return restored
                 code = err.get("code") if isinstance(err.get("code"), str) else "upstream_error"
                 # The contract's keys, whatever the router rewrote (PD: type "Bad Request", no param).
                 body = {"error": {**err, "message": str(err["message"]), "param": err.get("param"), "code": code,
@@ -255,22 +251,28 @@ class Gateway:
                 return self._answer(tenant, endpoint, status, body, reason=code)
         except (UnicodeDecodeError, json.JSONDecodeError):
             pass
+        # Not JSON: the router's PD stream error, an SSE line wrapping the worker's body in a
+        # Python repr, sometimes cut mid-JSON.
         text = raw.decode(errors="replace")
-        # The router's PD stream error: an SSE line wrapping the worker's body in a Python repr.
-        restored = worker_error_inside(text)
+        restored = self._contract_error_in(tenant, endpoint, status, text)
         if restored is not None:
-            return self._answer(tenant, endpoint, CONTRACT[restored["error"]["code"]][0], restored,
-                                reason=restored["error"]["code"])
-        kv = code_from_message(text) if status >= 500 else None  # ... cut mid-JSON: the message survives
-        if kv is not None:
-            return self._kv_error(tenant, endpoint, *kv)
-        text = text[:500]
+            return restored
         return self._answer(tenant, endpoint, status, {"error": {
-            "message": f"The model server answered {status}: {text}",
+            "message": f"The model server answered {status}: {text[:500]}",
             "type": "invalid_request_error" if status < 500 else "server_error",
             "param": None, "code": "upstream_error"}}, reason="upstream_error")
 
-    def _kv_error(self, tenant: str, endpoint: str, code: str, message: str) -> JSONResponse:
+    def _contract_error_in(self, tenant: str, endpoint: str, status: int, text) -> JSONResponse | None:
+        """The worker's own contract error inside a router-rewritten error text: its whole body,
+        or, for a 5xx whose body the router cut or reduced to a message, a KV guard's message."""
+        restored = worker_error_inside(text)
+        if restored is not None:
+            code = restored["error"]["code"]
+            return self._answer(tenant, endpoint, CONTRACT[code][0], restored, reason=code)
+        kv = code_from_message(text) if status >= 500 else None
+        if kv is None:
+            return None
+        code, message = kv
         return self._answer(tenant, endpoint, CONTRACT[code][0], {"error": {
             "message": message, "type": CONTRACT[code][1], "param": None, "code": code}}, reason=code)
 

@@ -3,7 +3,6 @@ timeouts, an unreachable upstream, chunk-by-chunk streaming. Each failure is a J
 the contract's keys."""
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -17,6 +16,7 @@ from starlette.testclient import TestClient
 from glm53_serving.admission import Limits
 from glm53_serving.gateway.app import GatewayConfig, build_app
 from glm53_serving.models import tiny
+from glm53_serving.topology import free_port
 
 BODY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
 
@@ -33,12 +33,6 @@ async def generate(request):
         return StreamingResponse(events(), media_type="text/event-stream")
     await asyncio.sleep(delay)
     return JSONResponse({"text": "ok", "peer": request.client.port})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
