@@ -102,8 +102,10 @@ def main(argv=None) -> None:
     p.add_argument("--topology", choices=("pd", "single"), default="pd", help="gateway: the deployment to drive")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--vs-upstream", action="store_true", help="kv_guard: compare with the whole plugin off")
-    p.add_argument("--rounds", type=int, default=4, help="counted rounds per side, after one warm-up round each")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="counted rounds per side, after one warm-up round each (default: gateway 4, kv_guard 8)")
     a = p.parse_args(argv)
+    a.rounds = a.rounds or (4 if a.what == "gateway" else 8)
     tmp = Path(tempfile.mkdtemp(prefix="glm53-bench-"))
     print(f"{a.what}: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
           f"{a.rounds} alternating rounds per side; logs in {tmp}")
@@ -141,15 +143,38 @@ def main(argv=None) -> None:
             off = {"GLM53_SERVING_DISABLE": "1"} if a.vs_upstream else {KV_OFF_ENV: ",".join(KV_PARTS)}
             for side, env in (("on", {}), ("off", off)):
                 deployments[side] = start(tmp / side, "--topology", "single", env=env)
+            # The server's CPU (HTTP process + scheduler) per output token: what the guard adds,
+            # less exposed than throughput to what else the 2 cores run in a round.
+            tree = {side: server_tree(info) for side, (_, info) in deployments.items()}
+            cpu = {side: [] for side in deployments}
             for i in range(a.rounds + 1):
                 for side, (_, info) in deployments.items():
+                    before = cpu_seconds(tree[side])
                     r = bench(process(info, "server")["url"], a, tmp / f"{side}-{i}.jsonl", credential(info, "server"))
                     if i:
                         runs[side].append(r)
+                        cpu[side].append(1e6 * (cpu_seconds(tree[side]) - before) / r["total_output_tokens"])
         finally:
             for proc, _ in deployments.values():
                 stop(proc)
-        compare("kv guard on", runs["on"], "whole plugin off" if a.vs_upstream else "kv guard off", runs["off"])
+        off_name = "whole plugin off" if a.vs_upstream else "kv guard off"
+        compare("kv guard on", runs["on"], off_name, runs["off"])
+        paired = [on / off for on, off in zip((r["output_throughput"] for r in runs["on"]),
+                                               (r["output_throughput"] for r in runs["off"]))]
+        print(f"{'paired rounds':>22}: throughput ratio per round {', '.join(f'{x:.3f}' for x in paired)}; "
+              f"median {statistics.median(paired):.3f}x")
+        c_on, c_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
+        print(f"{'server CPU per token':>22}: on {c_on:.0f} us, off {c_off:.0f} us -> {c_off / c_on:.3f}x "
+              f"(rounds: on {', '.join(f'{x:.0f}' for x in cpu['on'])}; off {', '.join(f'{x:.0f}' for x in cpu['off'])})")
+
+
+def server_tree(info: dict) -> list[psutil.Process]:
+    root = psutil.Process(process(info, "server")["pid"])
+    return [root, *root.children(recursive=True)]
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
 if __name__ == "__main__":

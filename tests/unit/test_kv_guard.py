@@ -13,39 +13,59 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from glm53_serving import kv_guard
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool
 
 SIZE, LAYERS = 64, 3
+DSA_PAGE = 64  # the only page size DSA takes
 
 
-def make(page_size):
+def make(page_size, dsa=False):
+    if dsa:  # GLM-5.x's pool: MLA latent rows plus the DSA indexer's per-page key and scale rows
+        pool = DSATokenToKVPool(size=4 * DSA_PAGE, page_size=DSA_PAGE, kv_lora_rank=32, dtype=torch.bfloat16,
+                                qk_rope_head_dim=16, layer_num=LAYERS, device="cpu", index_head_dim=128,
+                                enable_memory_saver=False, kv_cache_dim=48, index_buf_size=4 * DSA_PAGE)
+        return pool, PagedTokenToKVPoolAllocator(4 * DSA_PAGE, DSA_PAGE, torch.bfloat16, "cpu", pool, False)
     pool = MHATokenToKVPool(SIZE, page_size, torch.float32, 2, 4, LAYERS, "cpu", False)
     if page_size == 1:
         return pool, TokenToKVPoolAllocator(SIZE, torch.float32, "cpu", pool, False)
     return pool, PagedTokenToKVPoolAllocator(SIZE, page_size, torch.float32, "cpu", pool, False)
 
 
+def slot_views(pool, slots) -> list[tuple[torch.Tensor, tuple]]:
+    """(tensor, index) pairs addressing everything `slots` own in `pool`: each layer buffer's rows
+    and, for DSA, each indexer layer's key and scale bytes (IndexKeyCache's page layout)."""
+    views = [(buf, (slots,)) for buf in kv_guard.layer_buffers(pool)]
+    if isinstance(pool, DSATokenToKVPool):
+        p, key_bytes = pool.page_size, pool.page_size * pool.index_head_dim
+        for buf in pool.index_key_cache.buffer:
+            for part in (buf[:, :key_bytes], buf[:, key_bytes:]):
+                views.append((part.view(buf.shape[0], p, -1), (slots // p, slots % p)))
+    return views
+
+
 class ZeroBeforeReuse(RuleBasedStateMachine):
-    page_size = 1
+    page_size, dsa, max_alloc = 1, False, 24
 
     def __init__(self):
         super().__init__()
-        self.pool, self.alloc = make(self.page_size)
+        self.pool, self.alloc = make(self.page_size, self.dsa)
+        self.size = self.alloc.size
         self.held: list[torch.Tensor] = []  # allocations of live "requests"
 
     def _check_fresh(self, slots):
-        for buf in kv_guard.layer_buffers(self.pool):
-            assert torch.count_nonzero(buf[slots]) == 0, "a newly allocated slot holds a previous owner's KV"
+        for t, idx in slot_views(self.pool, slots):
+            assert torch.count_nonzero(t[idx]) == 0, "a newly allocated slot holds a previous owner's KV"
 
     @rule(n=st.integers(1, 24))
     def allocate_and_write(self, n):
+        n = (n % 3 + 1) * self.page_size if self.dsa else n  # DSA: 1-3 of its 4 pages of 64 slots
         need = -(-n // self.page_size) * self.page_size
         slots = kv_guard.zero_after_alloc(self.alloc.alloc(need), self.alloc, need)
         if slots is None:
             return
         self._check_fresh(slots)
-        for buf in kv_guard.layer_buffers(self.pool):  # the request writes its KV (a recognisable value)
-            buf[slots] = 7.0
+        for t, idx in slot_views(self.pool, slots):  # the request writes its KV (a recognisable value)
+            t[idx] = 7
         self.held.append(slots)
 
     @precondition(lambda self: self.held)
@@ -56,7 +76,7 @@ class ZeroBeforeReuse(RuleBasedStateMachine):
     @invariant()
     def nothing_leaks(self):
         used = sum(int(s.numel()) for s in self.held)
-        assert used + self.alloc.available_size() == SIZE
+        assert used + self.alloc.available_size() == self.size
         live = torch.cat(self.held) if self.held else torch.empty(0, dtype=torch.int64)
         assert live.unique().numel() == live.numel(), "a slot is held by two owners"
 
@@ -65,10 +85,16 @@ class ZeroBeforeReusePaged(ZeroBeforeReuse):
     page_size = 4
 
 
+class ZeroBeforeReuseDSA(ZeroBeforeReuse):
+    page_size, dsa = DSA_PAGE, True
+
+
 TestZeroBeforeReuse = ZeroBeforeReuse.TestCase
 TestZeroBeforeReuse.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestZeroBeforeReusePaged = ZeroBeforeReusePaged.TestCase
 TestZeroBeforeReusePaged.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestZeroBeforeReuseDSA = ZeroBeforeReuseDSA.TestCase
+TestZeroBeforeReuseDSA.settings = settings(max_examples=60, stateful_step_count=20, deadline=None)
 
 
 def test_without_the_guard_a_reused_slot_holds_the_previous_owners_kv():
@@ -88,15 +114,15 @@ def test_zeroing_is_batched_per_buffer_never_a_loop_per_slot(monkeypatch):
     for name in ("index_fill_", "zero_"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real: calls.append(_n) or _r(self, *a))
-    kv_guard.zero_slots(pool, torch.arange(1, 9))  # a decode step's few slots: one indexed fill per buffer
-    assert calls == ["index_fill_"] * (2 * LAYERS)
+    kv_guard.zero_slots(pool, torch.arange(1, 9))  # a decode step's few slots: one indexed fill per layer
+    assert calls == ["index_fill_"] * LAYERS  # K and V are halves of one allocation per layer: one fill
     calls.clear()
     monkeypatch.setattr(kv_guard, "SMALL_ALLOC", 16)
-    kv_guard.zero_slots(pool, torch.arange(1, 41))  # one contiguous run: one slice fill per buffer
-    assert calls == ["zero_"] * (2 * LAYERS)
+    kv_guard.zero_slots(pool, torch.arange(1, 41))  # one contiguous run: one slice fill per layer
+    assert calls == ["zero_"] * LAYERS
     calls.clear()
-    kv_guard.zero_slots(pool, torch.arange(1, 61, 3))  # 20 runs: one indexed fill per buffer
-    assert calls == ["index_fill_"] * (2 * LAYERS)
+    kv_guard.zero_slots(pool, torch.arange(1, 61, 3))  # 20 runs: one indexed fill per layer
+    assert calls == ["index_fill_"] * LAYERS
     for buf in kv_guard.layer_buffers(pool):
         assert torch.count_nonzero(buf[torch.arange(1, 61, 3)]) == 0
 
@@ -113,3 +139,35 @@ def test_unsupported_allocators_and_pools_are_refused():
     assert "SomeOtherAllocator" in msg and "refused" in msg
     with pytest.raises(TypeError):
         kv_guard.layer_buffers(object())
+
+
+def test_pools_not_indexed_by_token_slot_are_refused(monkeypatch):
+    # HND leads with pages: zeroing "row = slot" there would clear another page's KV and leave
+    # the allocated one stale.
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    pool = MHATokenToKVPool(SIZE, 4, torch.float32, 2, 4, LAYERS, "cpu", False)
+    assert pool.kv_cache_layout == "hnd"
+    (msg,) = kv_guard.allocator_problems(PagedTokenToKVPoolAllocator(SIZE, 4, torch.float32, "cpu", pool, False))
+    assert "'hnd'" in msg and "refused" in msg
+
+
+def test_dsa_zeroing_clears_exactly_the_slots_in_every_buffer_and_indexer_layer():
+    pool, alloc = make(DSA_PAGE, dsa=True)
+    assert kv_guard.allocator_problems(alloc) == []
+    every = [t for t, _ in slot_views(pool, torch.arange(0))]
+    for t in every:
+        t.fill_(1)
+    slots = torch.tensor([64, 65, 127, 130])  # the ends of one page, and one inside the next
+    kv_guard.zero_slots(pool, slots)
+    for t, idx in slot_views(pool, slots):
+        assert torch.count_nonzero(t[idx]) == 0
+    # ... and nothing else: each buffer lost exactly 4 slots' worth of bytes
+    for t, idx in slot_views(pool, slots):
+        assert t.numel() - torch.count_nonzero(t) == t[idx].numel()
+
+
+def test_dsa_indexer_layouts_other_than_the_plain_one_are_refused():
+    pool, alloc = make(DSA_PAGE, dsa=True)
+    pool.index_kpool = 2  # pooled index keys: rows regroup tokens, slot -> byte offset differs
+    (msg,) = kv_guard.allocator_problems(alloc)
+    assert "index_kpool 2" in msg and "refused" in msg
