@@ -97,15 +97,20 @@ def claim(allocator, slots: torch.Tensor, owners: torch.Tensor) -> None:
     if slots.numel() == 0:
         return
     tags = tags_of(allocator)
-    pages = slots.to(torch.int64) // allocator.page_size
+    pages = _pages(slots, allocator.page_size)
     current = tags[pages]
     tags[pages] = torch.where(current == FREE, owners, current)
+
+
+def _pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    # (int32 slot ids index as they are; at page size 1 a slot is its page: no division op)
+    return slots if page_size == 1 else slots // page_size
 
 
 def release(allocator, pages: torch.Tensor) -> None:
     tags = allocator.__dict__.get(_TAGS)
     if tags is not None and pages.numel():
-        tags[pages.to(torch.int64)] = FREE
+        tags[pages] = FREE
 
 
 def foreign(allocator, req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, max_len: int,
@@ -115,8 +120,8 @@ def foreign(allocator, req_to_token: torch.Tensor, rows: torch.Tensor, lens: tor
     Positions at or beyond a row's length are masked out before anything depends on them:
     stale indices left in a reused row are never read (clamped only to keep the gather in range)."""
     tags = tags_of(allocator)
-    slots = req_to_token[rows, :max_len].to(torch.int64).clamp_(0, tags.numel() * allocator.page_size - 1)
-    page_tags = tags[slots // allocator.page_size]
+    slots = req_to_token[rows, :max_len].clamp(0, tags.numel() * allocator.page_size - 1)
+    page_tags = tags[_pages(slots, allocator.page_size)]
     live = torch.arange(max_len, device=slots.device)[None, :] < lens[:, None]
     return live & (page_tags != owners[:, None])
 
@@ -154,7 +159,7 @@ def tag_and_check_decode(result, batch, token_per_req, *args, **kwargs):
         return result
     allocator = _allocator(batch)
     owners = _owners(batch.reqs, out_cache_loc.device)
-    claim(allocator, out_cache_loc, owners.repeat_interleave(token_per_req))
+    claim(allocator, out_cache_loc, owners if token_per_req == 1 else owners.repeat_interleave(token_per_req))
     new = _Fresh(starts=batch.seq_lens_cpu, slots=out_cache_loc, offsets=range(0, 1 << 62, token_per_req))
     check_batch(batch, batch.req_pool_indices, batch.seq_lens + token_per_req,
                 int(batch.seq_lens_cpu.max()) + token_per_req, owners, new, where="decode")
