@@ -56,13 +56,16 @@ def _fill_targets(pool) -> list[tuple[torch.Tensor, int]]:
     cached = pool.__dict__.get("_glm53_fill_targets")
     if cached is not None and len(cached[0]) == len(bufs) and all(a is b for a, b in zip(cached[0], bufs)):
         return cached[1]
-    targets = []
-    half = len(bufs) // 2 if type(pool).__name__ == "MHATokenToKVPool" else 0
-    for i, buf in enumerate(bufs):
-        if half and i < half and _halves_of_one(buf, bufs[half + i]):
-            targets.append((_as_words(buf._base, lead=1), 1))  # (2, rows, words)
-        elif not (half and i >= half and _halves_of_one(bufs[i - half], buf)):
-            targets.append((_as_words(buf), 0))
+    if type(pool).__name__ == "MHATokenToKVPool":  # layer_buffers: k_buffer..., then v_buffer...
+        half = len(bufs) // 2
+        targets = []
+        for k, v in zip(bufs[:half], bufs[half:]):
+            if _halves_of_one(k, v):
+                targets.append((_as_words(k._base, lead=1), 1))  # (2, rows, words)
+            else:
+                targets += [(_as_words(k), 0), (_as_words(v), 0)]
+    else:
+        targets = [(_as_words(buf), 0) for buf in bufs]
     pool._glm53_fill_targets = (bufs, targets)
     return targets
 

@@ -290,7 +290,8 @@ class Plan:
 
 def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Plan:
     """Every child of the topology, with fresh ports."""
-    env = {**topo.process_env(), **tenancy.env()}
+    shared = topo.process_env()
+    env = {**shared, **tenancy.env()}
     h = topo.host
 
     def child(name: str, argv_for_port, extra_env: dict[str, str] | None = None, base: dict[str, str] = env) -> Child:
@@ -313,7 +314,7 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
         # The router forwards the gateway's assertions and never checks one: it gets no key.
         router = child("router", lambda port: topo.router_argv(
             port, free_port(h), [(p.url, b) for p, b in zip(prefills, boots)], [d.url for d in decodes]),
-            base=topo.process_env())
+            base=shared)
         upstream = router.url
     gateway = child("gateway", lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file))
     return Plan(servers, router, gateway)

@@ -119,14 +119,14 @@ def main(argv=None) -> None:
             cpu_s, requests = {name: 0.0 for name in hop}, 0
             for i in range(a.rounds + 1):
                 for side, url in (("gateway", info["client_url"]), ("router", router)):
-                    before = {name: sum(p.cpu_times()[:2]) for name, p in hop.items()}
+                    before = {name: cpu_seconds([p]) for name, p in hop.items()}
                     r = bench(url, a, tmp / f"{side}-{i}.jsonl", credential(info, side))
                     if i:
                         runs[side].append(r)
                         if side == "gateway":  # what each hop spends on a request that crosses both
                             requests += r["completed"]
                             for name, p in hop.items():
-                                cpu_s[name] += sum(p.cpu_times()[:2]) - before[name]
+                                cpu_s[name] += cpu_seconds([p]) - before[name]
         finally:
             stop(proc)
         compare("via gateway", runs["gateway"], f"straight to {behind}", runs["router"])
