@@ -70,8 +70,11 @@ def bench(url: str, a, out: Path, key: str) -> dict:
            "--random-output-len", str(a.output_len), "--random-range-ratio", "1.0",
            "--request-rate", str(a.request_rate), "--max-concurrency", str(a.concurrency),
            "--disable-tqdm", "--output-file", str(out), "--seed", "1"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "OPENAI_API_KEY": key})
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "OPENAI_API_KEY": key})
+    if done.returncode:
+        raise SystemExit(f"sglang.bench_serving failed ({done.returncode}):\n{done.stderr[-3000:]}\n"
+                         "(its datasets dependency: GLM53_BENCH=1 scripts/setup)")
     return json.loads(out.read_text().splitlines()[-1])
 
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from glm53_serving import tenants, validation
@@ -209,23 +208,7 @@ class Gateway:
         if upstream.status >= 400:
             return await self._honest_error(tenant, endpoint, upstream)
         self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(upstream.status), reason="").inc()
-
-        async def chunks():
-            # When the client goes away (the generator is closed or cancelled) the upstream
-            # connection is closed, not pooled: the router and the worker abort the request.
-            done = False
-            try:
-                async for chunk in upstream.content.iter_any():
-                    yield chunk
-                done = True
-            finally:
-                upstream.release() if done else upstream.close()
-
-        return StreamingResponse(
-            chunks(), status_code=upstream.status,
-            headers={k: v for k, v in upstream.headers.items() if k.lower() in _PASS_RESPONSE_HEADERS},
-            background=BackgroundTask(_close, upstream),  # a no-op once chunks() released it
-        )
+        return UpstreamStream(upstream)
 
     async def _honest_error(self, tenant: str, endpoint: str, upstream: aiohttp.ClientResponse) -> Response:
         """Pass a valid OpenAI-shaped error through; anything else (the router's cut or rewritten
@@ -318,8 +301,44 @@ def build_app(cfg: GatewayConfig) -> Starlette:
     return app
 
 
-async def _close(upstream: aiohttp.ClientResponse) -> None:
-    upstream.close()  # async so that Starlette does not hop to a thread pool for it
+class UpstreamStream(Response):
+    """The upstream's answer passed to the client chunk by chunk, as each arrives.
+
+    Not Starlette's StreamingResponse: under uvicorn (ASGI spec 2.3) that runs every stream in an
+    anyio task group beside a disconnect listener, and the hop cost twice the CPU per chunk
+    (docs/performance.md). Here one plain task waits for the disconnect; when the client goes, the
+    upstream connection is closed, not pooled, which the router and the worker see as an abort."""
+
+    def __init__(self, upstream: aiohttp.ClientResponse):
+        self.upstream = upstream
+        self.status_code = upstream.status
+        self.background = None
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in upstream.headers.items() if k.lower() in _PASS_RESPONSE_HEADERS]
+
+    async def __call__(self, scope, receive, send) -> None:
+        upstream, client_gone = self.upstream, asyncio.Event()
+
+        async def close_on_disconnect():
+            while (await receive())["type"] != "http.disconnect":
+                pass  # the body was read before forwarding: nothing else can come
+            client_gone.set()
+            upstream.close()  # ends the read below
+
+        watch = asyncio.create_task(close_on_disconnect())
+        done = False
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in upstream.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            done = True
+        except aiohttp.ClientError:
+            if not client_gone.is_set():
+                raise  # the upstream failed mid-stream: the client's stream ends unterminated
+        finally:
+            watch.cancel()
+            upstream.release() if done else upstream.close()
 
 
 def _server_error(message: str, code: str) -> dict:

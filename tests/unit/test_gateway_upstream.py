@@ -1,11 +1,12 @@
 """The gateway's upstream hop against a real HTTP server standing in for the router: explicit
-timeouts, an unreachable upstream, chunk-by-chunk streaming. Each failure is a JSON body with
-the contract's keys."""
+timeouts, an unreachable upstream, chunk-by-chunk streaming, a client's disconnect closing the
+upstream stream. Each failure is a JSON body with the contract's keys."""
 
 import asyncio
 import threading
 import time
 
+import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -19,6 +20,7 @@ from glm53_serving.models import tiny
 from glm53_serving.topology import free_port
 
 BODY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
+STREAMS_ENDED = []  # how each upstream stream ended: "done", or "cut" when its client went away
 
 
 async def generate(request):
@@ -26,20 +28,25 @@ async def generate(request):
     delay = float(request.query_params.get("delay", 0))
     if body.get("stream"):
         async def events():
-            for i in range(5):
-                yield f"data: {i}\n\n".encode()
-                await asyncio.sleep(delay)
-            yield b"data: [DONE]\n\n"
+            ended = "cut"
+            try:
+                for i in range(5):
+                    yield f"data: {i}\n\n".encode()
+                    await asyncio.sleep(delay)
+                yield b"data: [DONE]\n\n"
+                ended = "done"
+            finally:
+                STREAMS_ENDED.append(ended)
         return StreamingResponse(events(), media_type="text/event-stream")
     await asyncio.sleep(delay)
     return JSONResponse({"text": "ok", "peer": request.client.port})
 
 
-@pytest.fixture(scope="module")
-def upstream():
+def serve(app):
+    """`app` on a real uvicorn in a thread (the gateway's own HTTP stack: httptools, uvloop)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/generate", generate, methods=["POST"])]),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           loop="uvloop", http="httptools"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -49,11 +56,19 @@ def upstream():
     thread.join(10)
 
 
+@pytest.fixture(scope="module")
+def upstream():
+    yield from serve(Starlette(routes=[Route("/generate", generate, methods=["POST"])]))
+
+
+def gateway_config(upstream_url: str, timeout_s: float = 30.0) -> GatewayConfig:
+    return GatewayConfig(upstream=upstream_url, model_path=str(tiny.ensure()), served_model_name="glm53-tiny",
+                         context_length=512, limits=Limits(506, 510, 512), upstream_timeout_s=timeout_s,
+                         connect_timeout_s=2.0)
+
+
 def gateway(upstream_url: str, timeout_s: float = 30.0) -> TestClient:
-    cfg = GatewayConfig(upstream=upstream_url, model_path=str(tiny.ensure()), served_model_name="glm53-tiny",
-                        context_length=512, limits=Limits(506, 510, 512), upstream_timeout_s=timeout_s,
-                        connect_timeout_s=2.0)
-    return TestClient(build_app(cfg))
+    return TestClient(build_app(gateway_config(upstream_url, timeout_s)))
 
 
 def test_an_upstream_slower_than_the_timeout_is_a_504_with_the_contract_body(upstream):
@@ -87,3 +102,32 @@ def test_a_stream_passes_through_chunk_by_chunk(upstream):
         # The first event arrives while the upstream is still sleeping between the others.
         assert first_at < 1.0, first_at
         assert b"".join(chunks) == b"".join(f"data: {i}\n\n".encode() for i in range(5)) + b"data: [DONE]\n\n"
+
+
+def test_a_client_disconnect_closes_the_upstream_stream(upstream):
+    """Leaving mid-stream must reach the upstream (there: the router and the worker abort the
+    request); a stream read to its end must be released whole, not cut."""
+    served = serve(build_app(gateway_config(upstream)))
+    url = next(served)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            STREAMS_ENDED.clear()
+            with client.stream("POST", "/generate?delay=0.2", json={**BODY, "stream": True}) as r:
+                assert r.status_code == 200
+                assert next(r.iter_bytes()).startswith(b"data: 0")
+            # Closed after the first event, while the upstream sleeps before the next ones.
+            deadline = time.monotonic() + 5
+            while not STREAMS_ENDED and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert STREAMS_ENDED == ["cut"]
+
+            STREAMS_ENDED.clear()
+            with client.stream("POST", "/generate?delay=0.01", json={**BODY, "stream": True}) as r:
+                whole = b"".join(r.iter_bytes())
+            assert whole.endswith(b"data: [DONE]\n\n") and whole.count(b"data: ") == 6
+            deadline = time.monotonic() + 5
+            while not STREAMS_ENDED and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert STREAMS_ENDED == ["done"]
+    finally:
+        next(served, None)

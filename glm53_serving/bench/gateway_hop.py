@@ -1,0 +1,157 @@
+"""The gateway's own cost per streamed chunk, without a model server's noise.
+
+    python -m glm53_serving.bench.gateway_hop [--concurrency 8] [--rounds 4]
+
+A stand-in upstream (aiohttp) streams SGLang-shaped /generate events at a fixed decode step; the
+real gateway (`python -m glm53_serving.gateway`, tenants on) is put in front of it, and the same
+load, alternating rounds, goes to the stand-in straight and through the gateway. Prints the
+added TTFT and e2e p50 and the gateway's process CPU per request and per chunk. A quick loop for
+work on the hop; the figures for the issue's targets come from `bench.serving gateway`, which
+drives the real topology with SGLang's own load generator. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from glm53_serving import tenants
+from glm53_serving.admission import LIMITS_ENV, Limits
+from glm53_serving.models import tiny
+from glm53_serving.topology import free_port
+
+# One event as SGLang's /generate streams it (text so far, ids, meta_info): ~400 bytes.
+EVENT = b"data: " + json.dumps({
+    "text": "x" * 60, "output_ids": list(range(30)),
+    "meta_info": {"id": "0" * 32, "finish_reason": None, "prompt_tokens": 128, "completion_tokens": 5,
+                  "cached_tokens": 0, "e2e_latency": 0.123}}).encode() + b"\n\n"
+
+
+def stand_in(port: int, events: int, step_s: float) -> None:
+    from aiohttp import web
+
+    async def generate(request):
+        await request.read()
+        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await r.prepare(request)
+        for _ in range(events):
+            await asyncio.sleep(step_s)
+            await r.write(EVENT)
+        await r.write(b"data: [DONE]\n\n")
+        return r
+
+    async def health(_request):
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+async def load(url: str, key: str | None, a) -> dict:
+    body = json.dumps({"input_ids": list(range(128)), "stream": True,
+                       "sampling_params": {"max_new_tokens": a.events, "temperature": 0}}).encode()
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+    ttft, e2e, chunks = [], [], 0
+    sem = asyncio.Semaphore(a.concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def one():
+            nonlocal chunks
+            async with sem:
+                t0 = time.perf_counter()
+                first = None
+                async with s.post(url + "/generate", data=body, headers=headers) as r:
+                    assert r.status == 200, (r.status, await r.text())
+                    async for _ in r.content.iter_any():
+                        first = first or time.perf_counter() - t0
+                        chunks += 1
+                ttft.append(first)
+                e2e.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one() for _ in range(a.requests)))
+    return {"ttft": 1000 * statistics.median(ttft), "e2e": 1000 * statistics.median(e2e), "chunks": chunks}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=400, help="per round")
+    p.add_argument("--events", type=int, default=32, help="streamed events per request")
+    p.add_argument("--step-ms", type=float, default=6.0, help="the stand-in's decode step")
+    p.add_argument("--rounds", type=int, default=4, help="counted rounds per side, after one warm-up each")
+    p.add_argument("--stand-in", type=int, help=argparse.SUPPRESS)  # internal: serve the stand-in on this port
+    a = p.parse_args(argv)
+    if a.stand_in:
+        return stand_in(a.stand_in, a.events, a.step_ms / 1000)
+
+    tmp = Path(tempfile.mkdtemp(prefix="glm53-hop-"))
+    key_file, tenants_file = tenants.new_assertion_key(tmp / "assertion.key"), tmp / "tenants.toml"
+    key = tenants.add_tenant(tenants_file, "bench")
+    up_port, gw_port = free_port(), free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, "--stand-in", str(up_port),
+                               "--events", str(a.events), "--step-ms", str(a.step_ms)])]
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "glm53_serving.gateway", "--upstream", f"http://127.0.0.1:{up_port}",
+         "--model-path", str(tiny.ensure()), "--served-model-name", "glm53-tiny", "--context-length", "4096",
+         "--port", str(gw_port), "--tenants-file", str(tenants_file)],
+        env={**os.environ, LIMITS_ENV: Limits(4000, 4096, 4096).to_env(), tenants.KEY_FILE_ENV: str(key_file)},
+        stderr=subprocess.DEVNULL))
+    try:
+        for port in (up_port, gw_port):
+            asyncio.run(_wait_up(f"http://127.0.0.1:{port}/health"))
+        gateway = psutil.Process(procs[1].pid)
+        sides = {"straight": (f"http://127.0.0.1:{up_port}", None), "via gateway": (f"http://127.0.0.1:{gw_port}", key)}
+        runs = {side: [] for side in sides}
+        for i in range(a.rounds + 1):
+            for side, (url, k) in sides.items():
+                cpu0 = sum(gateway.cpu_times()[:2])
+                r = asyncio.run(load(url, k, a))
+                r["cpu_s"] = sum(gateway.cpu_times()[:2]) - cpu0
+                if i:
+                    runs[side].append(r)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("ttft", "e2e")} for side, rs in runs.items()}
+    for side, m in med.items():
+        print(f"{side:>12}: ttft p50 {m['ttft']:7.2f} ms, e2e p50 {m['e2e']:7.2f} ms  (rounds: "
+              + ", ".join(f"{r['e2e']:.1f}" for r in runs[side]) + ")")
+    gw = runs["via gateway"]
+    per_req = [1000 * r["cpu_s"] / a.requests for r in gw]
+    per_chunk = [1e6 * r["cpu_s"] / r["chunks"] for r in gw]
+    print(f"{'added':>12}: ttft p50 {med['via gateway']['ttft'] - med['straight']['ttft']:+.2f} ms, "
+          f"e2e p50 {med['via gateway']['e2e'] - med['straight']['e2e']:+.2f} ms")
+    print(f"{'gateway CPU':>12}: {statistics.median(per_req):.2f} ms per request, "
+          f"{statistics.median(per_chunk):.0f} us per chunk (rounds: {', '.join(f'{x:.2f}' for x in per_req)} ms)")
+
+
+async def _wait_up(url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} did not come up")
+            await asyncio.sleep(0.3)
+
+
+if __name__ == "__main__":
+    main()
