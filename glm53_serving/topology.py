@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import shlex
 import socket
 import sys
@@ -314,10 +315,38 @@ class Topology:
         ] + ([] if tenants_file is None else ["--tenants-file", str(tenants_file)])
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free now, for a process that binds it later. Picked outside the kernel's ephemeral
+    range: in the meantime any outgoing connection on the machine may take an ephemeral port as
+    its local end (seen: the router's port taken between pick and bind, 'Address already in use')."""
+    low, high = _ephemeral_ports()
+    below, above = range(10_000, low), range(high + 1, 65_536)
+    outside = below if len(below) >= len(above) else above
+    for _ in range(200 if len(outside) > 1_000 else 0):
+        port = random.choice(outside)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # no room outside the ephemeral range on this machine
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32_768, 60_999  # Linux's default
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:

@@ -1,12 +1,13 @@
 """Topology files parse, validate at load time, and derive each process's arguments."""
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from glm53_serving import cpu
+from glm53_serving import cpu, topology
 from glm53_serving.topology import REPO_LAUNCH_DIR, Topology
 
 CONFIGS = sorted(REPO_LAUNCH_DIR.glob("*.toml"))
@@ -135,3 +136,13 @@ def test_body_limits_and_timeouts_grow_inward_so_the_gateway_answers_first():
     assert gw[gw.index("--max-body-bytes") + 1] == str(gateway) and gw[gw.index("--max-n") + 1] == "1"
     single = Topology.load(REPO_LAUNCH_DIR / "cpu.toml", topology="single").gateway_argv("http://s", "/m", 4)
     assert single[single.index("--max-n") + 1] == "128"
+
+
+def test_free_ports_are_outside_the_ephemeral_range_distinct_and_bindable():
+    # An ephemeral port can be taken as an outgoing connection's local end between pick and bind.
+    low, high = topology._ephemeral_ports()
+    ports = [topology.free_port() for _ in range(40)]
+    assert len(set(ports)) == len(ports)
+    assert all(not low <= p <= high for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))
