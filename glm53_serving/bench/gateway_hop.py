@@ -28,6 +28,7 @@ import psutil
 
 from glm53_serving import tenants
 from glm53_serving.admission import LIMITS_ENV, Limits
+from glm53_serving.bench.serving import cpu_seconds
 from glm53_serving.models import tiny
 from glm53_serving.topology import free_port
 
@@ -97,6 +98,8 @@ def main(argv=None) -> None:
         return stand_in(a.stand_in, a.events, a.step_ms / 1000)
 
     tmp = Path(tempfile.mkdtemp(prefix="glm53-hop-"))
+    print(f"gateway hop: {a.requests} requests x {a.events} events, concurrency {a.concurrency}, "
+          f"{a.rounds} alternating rounds per side; gateway log in {tmp}")
     key_file, tenants_file = tenants.new_assertion_key(tmp / "assertion.key"), tmp / "tenants.toml"
     key = tenants.add_tenant(tenants_file, "bench")
     up_port, gw_port = free_port(), free_port()
@@ -107,18 +110,18 @@ def main(argv=None) -> None:
          "--model-path", str(tiny.ensure()), "--served-model-name", "glm53-tiny", "--context-length", "4096",
          "--port", str(gw_port), "--tenants-file", str(tenants_file)],
         env={**os.environ, LIMITS_ENV: Limits(4000, 4096, 4096).to_env(), tenants.KEY_FILE_ENV: str(key_file)},
-        stderr=subprocess.DEVNULL))
+        stderr=(tmp / "gateway.log").open("w")))
     try:
-        for port in (up_port, gw_port):
-            asyncio.run(_wait_up(f"http://127.0.0.1:{port}/health"))
+        for port, proc in zip((up_port, gw_port), procs):
+            asyncio.run(_wait_up(f"http://127.0.0.1:{port}/health", proc))
         gateway = psutil.Process(procs[1].pid)
         sides = {"straight": (f"http://127.0.0.1:{up_port}", None), "via gateway": (f"http://127.0.0.1:{gw_port}", key)}
         runs = {side: [] for side in sides}
         for i in range(a.rounds + 1):
             for side, (url, k) in sides.items():
-                cpu0 = sum(gateway.cpu_times()[:2])
+                cpu0 = cpu_seconds([gateway])
                 r = asyncio.run(load(url, k, a))
-                r["cpu_s"] = sum(gateway.cpu_times()[:2]) - cpu0
+                r["cpu_s"] = cpu_seconds([gateway]) - cpu0
                 if i:
                     runs[side].append(r)
     finally:
@@ -138,10 +141,10 @@ def main(argv=None) -> None:
           f"{statistics.median(per_chunk):.0f} us per chunk (rounds: {', '.join(f'{x:.2f}' for x in per_req)} ms)")
 
 
-async def _wait_up(url: str, timeout_s: float = 120) -> None:
+async def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
-        while True:
+        while proc.poll() is None:
             try:
                 async with s.get(url) as r:
                     if r.status == 200:
@@ -151,6 +154,7 @@ async def _wait_up(url: str, timeout_s: float = 120) -> None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"{url} did not come up")
             await asyncio.sleep(0.3)
+    raise SystemExit(f"{proc.args[2]} exited {proc.returncode} before {url} answered")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,13 @@ def test_a_stream_passes_through_chunk_by_chunk(upstream):
         assert b"".join(chunks) == b"".join(f"data: {i}\n\n".encode() for i in range(5)) + b"data: [DONE]\n\n"
 
 
+def upstream_stream_ended(timeout_s: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while not STREAMS_ENDED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return STREAMS_ENDED
+
+
 def test_a_client_disconnect_closes_the_upstream_stream(upstream):
     """Leaving mid-stream must reach the upstream (there: the router and the worker abort the
     request); a stream read to its end must be released whole, not cut."""
@@ -116,18 +123,12 @@ def test_a_client_disconnect_closes_the_upstream_stream(upstream):
                 assert r.status_code == 200
                 assert next(r.iter_bytes()).startswith(b"data: 0")
             # Closed after the first event, while the upstream sleeps before the next ones.
-            deadline = time.monotonic() + 5
-            while not STREAMS_ENDED and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert STREAMS_ENDED == ["cut"]
+            assert upstream_stream_ended() == ["cut"]
 
             STREAMS_ENDED.clear()
             with client.stream("POST", "/generate?delay=0.01", json={**BODY, "stream": True}) as r:
                 whole = b"".join(r.iter_bytes())
             assert whole.endswith(b"data: [DONE]\n\n") and whole.count(b"data: ") == 6
-            deadline = time.monotonic() + 5
-            while not STREAMS_ENDED and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert STREAMS_ENDED == ["done"]
+            assert upstream_stream_ended() == ["done"]
     finally:
         next(served, None)
