@@ -2,14 +2,19 @@
 
     python -m glm53_serving.bench.serving gateway   # PD: client -> gateway -> router vs. client -> router
     python -m glm53_serving.bench.serving gateway --topology single  # gateway -> server vs. server
+    python -m glm53_serving.bench.serving gateway --gateway-own-core  # the gateway on a core nothing else runs on
     python -m glm53_serving.bench.serving kv_guard  # single server: KV guard on vs. GLM53_KV_GUARD_OFF=zero,owner,handoff
     python -m glm53_serving.bench.serving kv_guard --vs-upstream  # ... vs. GLM53_SERVING_DISABLE=1
 
-Each side runs `sglang.bench_serving` (dataset random-ids, greedy) once to warm up (not
-counted), then the same number of times, alternating between the sides (kv_guard: two servers
-up at once; gateway: one deployment reached two ways); the median throughput and the median
-latencies of each side's rounds are compared and printed as ratios, every round listed. Not a
-test: numbers, for docs/.
+Each side runs SGLang's load generator (`sglang.bench_serving`'s Rust client by default,
+`--client python` for the Python one; dataset random-ids, greedy) once to warm up (not counted),
+then the same number of times, alternating between the sides and which side goes first
+(kv_guard: two servers up at once; gateway: one deployment reached two ways). Printed: every
+round, each side's medians and their ratio, and the ratio and latency differences per pair of
+back-to-back rounds with their medians (the robust figures on a machine whose speed drifts).
+`--gateway-own-core` puts the gateway on a core of its own, as on a GPU host, so that what is
+measured is the hop's latency rather than its CPU taken from a 2-core server. Not a test:
+numbers, for docs/.
 """
 
 from __future__ import annotations
@@ -63,79 +68,131 @@ def credential(info: dict, side: str) -> str:
     return tenants.mint(tenants.load_assertion_key(t["assertion_key_file"]), "demo", ttl_s=6 * 3600)
 
 
-def bench(url: str, a, out: Path, key: str) -> dict:
-    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
-           "--dataset-name", "random-ids", "--tokenizer", str(tiny.ensure()), "--model", "glm53-tiny",
-           "--num-prompts", str(a.num_prompts), "--random-input-len", str(a.input_len),
-           "--random-output-len", str(a.output_len), "--random-range-ratio", "1.0",
-           "--request-rate", str(a.request_rate), "--max-concurrency", str(a.concurrency),
-           "--disable-tqdm", "--output-file", str(out), "--seed", "1"]
-    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "OPENAI_API_KEY": key})
-    if done.returncode:
-        raise SystemExit(f"sglang.bench_serving failed ({done.returncode}):\n{done.stderr[-3000:]}\n"
-                         "(its datasets dependency: GLM53_BENCH=1 scripts/setup)")
-    return json.loads(out.read_text().splitlines()[-1])
+def bench(jobs: list[tuple[str, Path, str]], a, concurrency: int) -> list[dict]:
+    """SGLang's own load generator, one client per (url, result file, credential), all at once;
+    each one's result record (bench_serving's keys)."""
+    procs = []
+    for url, out, key in jobs:
+        args = ["--backend", "sglang", "--base-url", url, "--dataset-name", "random-ids", "--tokenizer",
+                str(tiny.ensure()), "--model", "glm53-tiny", "--num-prompts", str(a.num_prompts),
+                "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+                "--random-range-ratio", "1.0", "--request-rate", str(a.request_rate),
+                "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", str(out), "--seed", "1"]
+        if a.client == "rust":
+            # sglang.bench_serving's Rust port (its --rust-client): same dataset, metrics and result
+            # keys; starts in milliseconds instead of ~20 s and parses streams off the interpreter.
+            cmd = [sys.executable, "-m", "glm53_serving.bench.rust_client", *args, "--worker-threads", "1",
+                   "--header", f"Authorization: Bearer {key}"]
+            env = dict(os.environ)
+        else:
+            cmd = [sys.executable, "-m", "sglang.bench_serving", *args]
+            env = {**os.environ, "OPENAI_API_KEY": key}
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+    results = []
+    for (_, out, _), proc in zip(jobs, procs):
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"{proc.args[2]} failed ({proc.returncode}):\n{err[-3000:]}\n"
+                             "(the Python client's datasets dependency: GLM53_BENCH=1 scripts/setup)")
+        results.append(json.loads(out.read_text().splitlines()[-1]))
+    return results
 
 
 def compare(name_a: str, runs_a: list[dict], name_b: str, runs_b: list[dict]) -> None:
-    def summary(runs):
-        return (statistics.median(r[k] for r in runs)
-                for k in ("output_throughput", "median_e2e_latency_ms", "p99_e2e_latency_ms"))
-
+    """Every round, each side's medians over its rounds, and the same per pair of rounds (round i
+    of each side ran back to back, so a pair shares the machine's state: on 2 shared cores the
+    rounds of one side swing by far more than the difference between the sides)."""
+    keys = ("output_throughput", "median_e2e_latency_ms", "p99_e2e_latency_ms", "median_ttft_ms")
     for name, runs in ((name_a, runs_a), (name_b, runs_b)):
         for i, r in enumerate(runs):
             print(f"{name:>22} round {i}: {r['output_throughput']:8.1f} tok/s, e2e p50 {r['median_e2e_latency_ms']:8.2f} ms, "
                   f"ttft p50 {r['median_ttft_ms']:8.2f} ms, itl p50 {r['median_itl_ms']:6.2f} ms")
 
-    ta, pa50, pa99 = summary(runs_a)
-    tb, pb50, pb99 = summary(runs_b)
-    print(f"{name_a:>22}: {ta:8.1f} output tok/s, e2e p50 {pa50:8.2f} ms, p99 {pa99:8.2f} ms")
-    print(f"{name_b:>22}: {tb:8.1f} output tok/s, e2e p50 {pb50:8.2f} ms, p99 {pb99:8.2f} ms")
-    print(f"{'ratio':>22}: throughput {ta / tb:.3f}x, added p50 {pa50 - pb50:+.2f} ms, added p99 {pa99 - pb99:+.2f} ms")
+    ta, pa50, pa99, fa50 = (statistics.median(r[k] for r in runs_a) for k in keys)
+    tb, pb50, pb99, fb50 = (statistics.median(r[k] for r in runs_b) for k in keys)
+    print(f"{name_a:>22}: {ta:8.1f} output tok/s, e2e p50 {pa50:8.2f} ms, p99 {pa99:8.2f} ms, ttft p50 {fa50:8.2f} ms")
+    print(f"{name_b:>22}: {tb:8.1f} output tok/s, e2e p50 {pb50:8.2f} ms, p99 {pb99:8.2f} ms, ttft p50 {fb50:8.2f} ms")
+    print(f"{'ratio':>22}: throughput {ta / tb:.3f}x, added p50 {pa50 - pb50:+.2f} ms, added p99 {pa99 - pb99:+.2f} ms, "
+          f"added ttft p50 {fa50 - fb50:+.2f} ms")
+    pairs = list(zip(runs_a, runs_b))
+    ratio = [a["output_throughput"] / b["output_throughput"] for a, b in pairs]
+    added = {k: [a[k] - b[k] for a, b in pairs] for k in keys[1:]}
+    print(f"{'paired rounds':>22}: throughput ratio {', '.join(f'{x:.3f}' for x in ratio)}; "
+          f"median {statistics.median(ratio):.3f}x")
+    print(f"{'':>22}  added e2e p50 {', '.join(f'{x:+.1f}' for x in added['median_e2e_latency_ms'])} ms; "
+          f"median {statistics.median(added['median_e2e_latency_ms']):+.2f} ms, "
+          f"p99 median {statistics.median(added['p99_e2e_latency_ms']):+.2f} ms, "
+          f"ttft p50 median {statistics.median(added['median_ttft_ms']):+.2f} ms")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("gateway", "kv_guard"))
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--request-rate", default="inf")
     p.add_argument("--topology", choices=("pd", "single"), default="pd", help="gateway: the deployment to drive")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--gateway-own-core", action="store_true",
+                   help="gateway: run it on the last core and everything else (workers, router, load generator) on "
+                        "the others, as on a GPU host where the gateway's CPU is not the serving path's")
+    p.add_argument("--simultaneous", action="store_true",
+                   help="gateway: run both sides at once, each at half the concurrency, in the same batches, so "
+                        "that the machine's drift cancels; the gateway's CPU then slows both sides alike, so this "
+                        "measures the hop's latency: use it with --gateway-own-core")
     p.add_argument("--vs-upstream", action="store_true", help="kv_guard: compare with the whole plugin off")
+    p.add_argument("--client", choices=("rust", "python"), default="rust",
+                   help="the load generator: sglang.bench_serving's Rust client (default) or its Python one")
     p.add_argument("--rounds", type=int, default=None,
-                   help="counted rounds per side, after one warm-up round each (default: gateway 4, kv_guard 8)")
+                   help="counted rounds per side, after one warm-up round each (default 8)")
     a = p.parse_args(argv)
-    a.rounds = a.rounds or (4 if a.what == "gateway" else 8)
+    a.rounds = a.rounds or 8
     tmp = Path(tempfile.mkdtemp(prefix="glm53-bench-"))
     print(f"{a.what}: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
           f"{a.rounds} alternating rounds per side; logs in {tmp}")
     if a.what == "gateway":
+        if a.gateway_own_core:  # inherited by the launcher's children and the load generator
+            *serving_cores, gateway_core = sorted(os.sched_getaffinity(0))
+            assert serving_cores, "--gateway-own-core needs 2 or more cores"
+            os.sched_setaffinity(0, serving_cores)
         proc, info = start(tmp / a.topology, "--topology", a.topology)
+        if a.gateway_own_core:
+            pin(process(info, "gateway")["pid"], {gateway_core})
+            print(f"gateway on core {gateway_core}; workers, router and load generator on cores {serving_cores}")
         behind = "router" if a.topology == "pd" else "server"  # what the gateway forwards to
         router = process(info, behind)["url"]
         try:
             runs = {"gateway": [], "router": []}
             hop = {name: psutil.Process(process(info, name)["pid"]) for name in ("gateway", behind)}
-            cpu_s, requests = {name: 0.0 for name in hop}, 0
+            cpu_s, requests = {name: 0.0 for name in hop}, {name: 0 for name in hop}
+            sides = [("gateway", info["client_url"]), ("router", router)]
             for i in range(a.rounds + 1):
-                for side, url in (("gateway", info["client_url"]), ("router", router)):
+                if a.simultaneous:  # both sides in the same batches, each at half the concurrency
+                    rounds = [sides]
+                else:  # one side at a time; who goes first alternates too
+                    rounds = [[side] for side in sides[::1 if i % 2 else -1]]
+                for together in rounds:
                     before = {name: cpu_seconds([p]) for name, p in hop.items()}
-                    r = bench(url, a, tmp / f"{side}-{i}.jsonl", credential(info, side))
-                    if i:
+                    results = bench([(url, tmp / f"{side}-{i}.jsonl", credential(info, side)) for side, url in together],
+                                    a, a.concurrency // len(together))
+                    if not i:
+                        continue
+                    for (side, _), r in zip(together, results):
                         runs[side].append(r)
-                        if side == "gateway":  # what each hop spends on a request that crosses both
-                            requests += r["completed"]
-                            for name, p in hop.items():
-                                cpu_s[name] += cpu_seconds([p]) - before[name]
+                        requests[behind] += r["completed"]  # every request crosses what is behind the gateway
+                        requests["gateway"] += r["completed"] if side == "gateway" else 0
+                    if any(side == "gateway" for side, _ in together):  # what each hop spends per request
+                        for name, p in hop.items():
+                            cpu_s[name] += cpu_seconds([p]) - before[name]
         finally:
             stop(proc)
         compare("via gateway", runs["gateway"], f"straight to {behind}", runs["router"])
-        per = {name: 1000 * cpu_s[name] / requests for name in cpu_s}
+        if not a.simultaneous:
+            requests[behind] = requests["gateway"]  # counted over the gateway's rounds alone
+        per = {name: 1000 * cpu_s[name] / requests[name] for name in cpu_s}
         print(f"{'CPU per request':>22}: gateway {per['gateway']:.2f} ms, {behind} {per[behind]:.2f} ms "
-              f"(process CPU time over the counted gateway rounds, {requests} requests)")
+              f"(process CPU time over the counted rounds with the gateway, {requests['gateway']} requests through it)")
     else:
         # Both deployments up at once (an idle one sleeps: --sleep-on-idle), rounds alternating,
         # so that drift of the machine hits both sides alike.
@@ -153,7 +210,8 @@ def main(argv=None) -> None:
             for i in range(a.rounds + 1):
                 for side, (_, info) in deployments.items():
                     before = cpu_seconds(tree[side])
-                    r = bench(process(info, "server")["url"], a, tmp / f"{side}-{i}.jsonl", credential(info, "server"))
+                    [r] = bench([(process(info, "server")["url"], tmp / f"{side}-{i}.jsonl", credential(info, "server"))],
+                                a, a.concurrency)
                     if i:
                         runs[side].append(r)
                         cpu[side].append(1e6 * (cpu_seconds(tree[side]) - before) / r["total_output_tokens"])
@@ -162,13 +220,15 @@ def main(argv=None) -> None:
                 stop(proc)
         off_name = "whole plugin off" if a.vs_upstream else "kv guard off"
         compare("kv guard on", runs["on"], off_name, runs["off"])
-        paired = [on / off for on, off in zip((r["output_throughput"] for r in runs["on"]),
-                                               (r["output_throughput"] for r in runs["off"]))]
-        print(f"{'paired rounds':>22}: throughput ratio per round {', '.join(f'{x:.3f}' for x in paired)}; "
-              f"median {statistics.median(paired):.3f}x")
         c_on, c_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
         print(f"{'server CPU per token':>22}: on {c_on:.0f} us, off {c_off:.0f} us -> {c_off / c_on:.3f}x "
               f"(rounds: on {', '.join(f'{x:.0f}' for x in cpu['on'])}; off {', '.join(f'{x:.0f}' for x in cpu['off'])})")
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of the process (affinity is per thread; a new thread inherits its creator's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
 
 
 def server_tree(info: dict) -> list[psutil.Process]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
 import uvicorn
@@ -37,8 +38,19 @@ def main(argv: list[str] | None = None) -> None:
                         upstream_timeout_s=a.upstream_timeout_s, max_n=a.max_n,
                         tenants=tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None,
                         assertion_key=key)
-    uvicorn.run(build_app(cfg), host=a.host, port=a.port, log_level="warning", access_log=False,
+    uvicorn.run(built(cfg), host=a.host, port=a.port, log_level="warning", access_log=False,
                 loop="uvloop", http="httptools")
+
+
+def built(cfg: GatewayConfig):
+    """The app, with everything start-up made (~600k objects: torch, transformers, SGLang's request
+    models, the tokenizer) moved out of the garbage collector's reach, as SGLang's own processes
+    do (`freeze_gc`). Otherwise a full collection walks them all, 440 ms on this machine, and every
+    stream through the gateway stalls for it (docs/performance.md)."""
+    app = build_app(cfg)
+    gc.collect()
+    gc.freeze()
+    return app
 
 
 if __name__ == "__main__":
