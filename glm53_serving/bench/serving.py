@@ -68,16 +68,16 @@ def credential(info: dict, side: str) -> str:
     return tenants.mint(tenants.load_assertion_key(t["assertion_key_file"]), "demo", ttl_s=6 * 3600)
 
 
-def bench(jobs: list[tuple[str, Path, str]], a, concurrency: int) -> list[dict]:
-    """SGLang's own load generator, one client per (url, result file, credential), all at once;
-    each one's result record (bench_serving's keys)."""
+def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[dict]:
+    """SGLang's own load generator, one client per (url, result file, credential, dataset seed),
+    all at once; each one's result record (bench_serving's keys)."""
     procs = []
-    for url, out, key in jobs:
+    for url, out, key, seed in jobs:
         args = ["--backend", "sglang", "--base-url", url, "--dataset-name", "random-ids", "--tokenizer",
                 str(tiny.ensure()), "--model", "glm53-tiny", "--num-prompts", str(a.num_prompts),
                 "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
                 "--random-range-ratio", "1.0", "--request-rate", str(a.request_rate),
-                "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", str(out), "--seed", "1"]
+                "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", str(out), "--seed", str(seed)]
         if a.client == "rust":
             # sglang.bench_serving's Rust port (its --rust-client): same dataset, metrics and result
             # keys; starts in milliseconds instead of ~20 s and parses streams off the interpreter.
@@ -89,7 +89,7 @@ def bench(jobs: list[tuple[str, Path, str]], a, concurrency: int) -> list[dict]:
             env = {**os.environ, "OPENAI_API_KEY": key}
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
     results = []
-    for (_, out, _), proc in zip(jobs, procs):
+    for (_, out, _, _), proc in zip(jobs, procs):
         _, err = proc.communicate()
         if proc.returncode:
             raise SystemExit(f"{proc.args[2]} failed ({proc.returncode}):\n{err[-3000:]}\n"
@@ -174,8 +174,11 @@ def main(argv=None) -> None:
                     rounds = [[side] for side in sides[::1 if i % 2 else -1]]
                 for together in rounds:
                     before = {name: cpu_seconds([p]) for name, p in hop.items()}
-                    results = bench([(url, tmp / f"{side}-{i}.jsonl", credential(info, side)) for side, url in together],
-                                    a, a.concurrency // len(together))
+                    # At once, the two sides get different prompts (seeds swapped each round): the same
+                    # prompt twice at once would have the later copy, the gateway's, wait on the first's prefill.
+                    seeds = [1 + (k + i) % len(together) for k in range(len(together))]
+                    results = bench([(url, tmp / f"{side}-{i}.jsonl", credential(info, side), seed)
+                                     for (side, url), seed in zip(together, seeds)], a, a.concurrency // len(together))
                     if not i:
                         continue
                     for (side, _), r in zip(together, results):
@@ -210,7 +213,7 @@ def main(argv=None) -> None:
             for i in range(a.rounds + 1):
                 for side, (_, info) in deployments.items():
                     before = cpu_seconds(tree[side])
-                    [r] = bench([(process(info, "server")["url"], tmp / f"{side}-{i}.jsonl", credential(info, "server"))],
+                    [r] = bench([(process(info, "server")["url"], tmp / f"{side}-{i}.jsonl", credential(info, "server"), 1)],
                                 a, a.concurrency)
                     if i:
                         runs[side].append(r)
