@@ -2,7 +2,7 @@
 
     python -m glm53_serving.bench.serving gateway   # PD: client -> gateway -> router vs. client -> router
     python -m glm53_serving.bench.serving gateway --topology single  # gateway -> server vs. server
-    python -m glm53_serving.bench.serving gateway --gateway-own-core  # the gateway on a core nothing else runs on
+    python -m glm53_serving.bench.serving gateway --gateway-own-core --simultaneous  # the hop's latency alone
     python -m glm53_serving.bench.serving kv_guard  # single server: KV guard on vs. GLM53_KV_GUARD_OFF=zero,owner,handoff
     python -m glm53_serving.bench.serving kv_guard --vs-upstream  # ... vs. GLM53_SERVING_DISABLE=1
 
@@ -12,9 +12,11 @@ then the same number of times, alternating between the sides and which side goes
 (kv_guard: two servers up at once; gateway: one deployment reached two ways). Printed: every
 round, each side's medians and their ratio, and the ratio and latency differences per pair of
 back-to-back rounds with their medians (the robust figures on a machine whose speed drifts).
-`--gateway-own-core` puts the gateway on a core of its own, as on a GPU host, so that what is
-measured is the hop's latency rather than its CPU taken from a 2-core server. Not a test:
-numbers, for docs/.
+On 2 cores the rounds of one side swing by ±20%, and the gateway's CPU is taken from the
+server's. `--gateway-own-core` puts the gateway on a core of its own, as on a GPU host, and
+`--simultaneous` runs both sides at once in the same batches (half the concurrency each,
+different prompts), so that what is measured is the hop's latency, not the machine's drift or
+the 2 cores' CPU share. Not a test: numbers, for docs/.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def main(argv=None) -> None:
     a.rounds = a.rounds or 8
     tmp = Path(tempfile.mkdtemp(prefix="glm53-bench-"))
     print(f"{a.what}: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
-          f"{a.rounds} alternating rounds per side; logs in {tmp}")
+          f"{a.rounds} rounds per side ({'both sides at once' if a.simultaneous else 'alternating'}); logs in {tmp}")
     if a.what == "gateway":
         if a.gateway_own_core:  # inherited by the launcher's children and the load generator
             *serving_cores, gateway_core = sorted(os.sched_getaffinity(0))
