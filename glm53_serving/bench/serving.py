@@ -15,7 +15,7 @@ back-to-back rounds with their medians (the robust figures on a machine whose sp
 On 2 cores the rounds of one side swing by ±20%, and the gateway's CPU is taken from the
 server's. `--gateway-own-core` puts the gateway on a core of its own, as on a GPU host, and
 `--simultaneous` runs both sides at once in the same batches (half the concurrency each,
-the same workload as two tenants), so that what is measured is the hop's latency, not the machine's drift or
+different prompts), so that what is measured is the hop's latency, not the machine's drift or
 the 2 cores' CPU share. Not a test: numbers, for docs/.
 """
 
@@ -177,13 +177,13 @@ def main(argv=None) -> None:
                     rounds = [[side] for side in sides[::1 if i % 2 else -1]]
                 for together in rounds:
                     before = {name: cpu_seconds([p]) for name, p in hop.items()}
-                    # At once, the two sides send the same workload (prompts, arrival times) as two
-                    # tenants (the demo tenants, swapped each round): SGLang defers a waiting request
-                    # whose first 32+ tokens match another waiting one in the same cache namespace, so
-                    # as one tenant the later twin, always the gateway's, waited a whole request
-                    # (~400 ms) behind the straight one. Two namespaces never match.
+                    # At once, the two sides are two tenants (the demo tenants, swapped each round) with
+                    # different prompts (seeds, likewise): SGLang defers a waiting request whose first 32+
+                    # tokens match another waiting one in the same cache namespace, and glm53-tiny's
+                    # 512-token vocabulary makes such twins common, so with one tenant the later copy,
+                    # always the gateway's, waited a whole request (~400 ms) behind the straight one.
                     order = [(k + i) % len(together) for k in range(len(together))]
-                    results = bench([(url, tmp / f"{side}-{i}.jsonl", credential(info, side, Tenancy.DEMO_TENANTS[o]), 1)
+                    results = bench([(url, tmp / f"{side}-{i}.jsonl", credential(info, side, Tenancy.DEMO_TENANTS[o]), 1 + o)
                                      for (side, url), o in zip(together, order)], a, a.concurrency // len(together))
                     if not i:
                         continue
