@@ -182,6 +182,7 @@ def main(argv=None) -> None:
                     # tokens match another waiting one in the same cache namespace, and glm53-tiny's
                     # 512-token vocabulary makes such twins common, so with one tenant the later copy,
                     # always the gateway's, waited a whole request (~400 ms) behind the straight one.
+                    # (Two tenants alone with the same prompts were not enough: p99 +262 ms, measured.)
                     order = [(k + i) % len(together) for k in range(len(together))]
                     results = bench([(url, tmp / f"{side}-{i}.jsonl", credential(info, side, Tenancy.DEMO_TENANTS[o]), 1 + o)
                                      for (side, url), o in zip(together, order)], a, a.concurrency // len(together))
