@@ -14,8 +14,8 @@ round, each side's medians and their ratio, and the ratio and latency difference
 back-to-back rounds with their medians (the robust figures on a machine whose speed drifts).
 On 2 cores the rounds of one side swing by ±20%, and the gateway's CPU is taken from the
 server's. `--gateway-own-core` puts the gateway on a core of its own, as on a GPU host, and
-`--simultaneous` runs both sides at once in the same batches (half the concurrency each,
-different prompts), so that what is measured is the hop's latency, not the machine's drift or
+`--simultaneous` runs both sides at once in the same batches (half the concurrency each, two
+tenants with different prompts), so that what is measured is the hop's latency, not the machine's drift or
 the 2 cores' CPU share. Not a test: numbers, for docs/.
 """
 
@@ -190,16 +190,15 @@ def main(argv=None) -> None:
                         continue
                     for (side, _), r in zip(together, results):
                         runs[side].append(r)
-                        requests[behind] += r["completed"]  # every request crosses what is behind the gateway
-                        requests["gateway"] += r["completed"] if side == "gateway" else 0
                     if any(side == "gateway" for side, _ in together):  # what each hop spends per request
                         for name, p in hop.items():
                             cpu_s[name] += cpu_seconds([p]) - before[name]
+                        for (side, _), r in zip(together, results):
+                            requests[behind] += r["completed"]  # every request crosses what is behind the gateway
+                            requests["gateway"] += r["completed"] if side == "gateway" else 0
         finally:
             stop(proc)
         compare("via gateway", runs["gateway"], f"straight to {behind}", runs["router"])
-        if not a.simultaneous:
-            requests[behind] = requests["gateway"]  # counted over the gateway's rounds alone
         per = {name: 1000 * cpu_s[name] / requests[name] for name in cpu_s}
         print(f"{'CPU per request':>22}: gateway {per['gateway']:.2f} ms, {behind} {per[behind]:.2f} ms "
               f"(process CPU time over the counted rounds with the gateway, {requests['gateway']} requests through it)")
