@@ -355,7 +355,9 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
                     "assertion_key_file": str(tenancy.key_file) if tenancy.key_file else None,
                     "demo_keys_file": str(run_dir / "demo-keys.json") if tenancy.demo_keys else None},
     }
-    (run_dir / "ready.json").write_text(json.dumps(info, indent=2) + "\n")
+    # Whoever waits for ready.json reads it as soon as it exists: it appears whole, or not at all.
+    (run_dir / "ready.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(run_dir / "ready.json.tmp", run_dir / "ready.json")
     return {**info, "demo_key": tenancy.demo_keys.get("demo")}
 
 

@@ -16,7 +16,10 @@ On 2 cores the rounds of one side swing by ±20%, and the gateway's CPU is taken
 server's. `--gateway-own-core` puts the gateway on a core of its own, as on a GPU host, and
 `--simultaneous` runs both sides at once in the same batches (half the concurrency each, two
 tenants with different prompts), so that what is measured is the hop's latency, not the machine's drift or
-the 2 cores' CPU share. Not a test: numbers, for docs/.
+the 2 cores' CPU share. The gateway also times the upstream's share of every answer (its
+`glm53_gateway_upstream_*_seconds` summaries): the load generator's mean TTFT and e2e over a
+round less the gateway's mean over the same requests is the gateway's own addition, free of the
+server's round-to-round noise ("in-band"). Not a test: numbers, for docs/.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from glm53_serving import tenants
 from glm53_serving.hooks import KV_PARTS
@@ -80,7 +85,10 @@ def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[d
                 str(tiny.ensure()), "--model", "glm53-tiny", "--num-prompts", str(a.num_prompts),
                 "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
                 "--random-range-ratio", "1.0", "--request-rate", str(a.request_rate),
-                "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", str(out), "--seed", str(seed)]
+                "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", str(out), "--seed", str(seed),
+                # The warm-up rounds warm up; a request outside the counted ones would also enter the
+                # gateway's upstream timing, which must cover exactly the round's requests.
+                "--warmup-requests", "0"]
         if a.client == "rust":
             # sglang.bench_serving's Rust port (its --rust-client): same dataset, metrics and result
             # keys; starts in milliseconds instead of ~20 s and parses streams off the interpreter.
@@ -170,6 +178,7 @@ def main(argv=None) -> None:
             hop = {name: psutil.Process(process(info, name)["pid"]) for name in ("gateway", behind)}
             cpu_s, requests = {name: 0.0 for name in hop}, {name: 0 for name in hop}
             sides = [("gateway", info["client_url"]), ("router", router)]
+            inband = {"ttft": [], "e2e": [], "admission": []}  # per round: the client's mean less the gateway's upstream mean
             for i in range(a.rounds + 1):
                 if a.simultaneous:  # both sides in the same batches, each at half the concurrency
                     rounds = [sides]
@@ -177,6 +186,7 @@ def main(argv=None) -> None:
                     rounds = [[side] for side in sides[::1 if i % 2 else -1]]
                 for together in rounds:
                     before = {name: cpu_seconds([p]) for name, p in hop.items()}
+                    timing = upstream_timing(info["client_url"])
                     # At once, the two sides are two tenants (the demo tenants, swapped each round) with
                     # different prompts (seeds, likewise): SGLang defers a waiting request whose first 32+
                     # tokens match another waiting one in the same cache namespace, and glm53-tiny's
@@ -196,12 +206,26 @@ def main(argv=None) -> None:
                         for (side, _), r in zip(together, results):
                             requests[behind] += r["completed"]  # every request crosses what is behind the gateway
                             requests["gateway"] += r["completed"] if side == "gateway" else 0
+                        [via] = [r for (side, _), r in zip(together, results) if side == "gateway"]
+                        upstream = {k: (s1 - s0, n1 - n0) for k, ((s0, n0), (s1, n1)) in
+                                    ((k, (timing[k], v)) for k, v in upstream_timing(info["client_url"]).items())}
+                        assert all(n == via["completed"] for _, n in upstream.values()), (upstream, via["completed"])
+                        inband["ttft"].append(via["mean_ttft_ms"] - 1000 * upstream["upstream_first_chunk"][0] / via["completed"])
+                        inband["e2e"].append(via["mean_e2e_latency_ms"] - 1000 * upstream["upstream_response"][0] / via["completed"])
+                        inband["admission"].append(1000 * upstream["admission"][0] / via["completed"])
         finally:
             stop(proc)
         compare("via gateway", runs["gateway"], f"straight to {behind}", runs["router"])
         per = {name: 1000 * cpu_s[name] / requests[name] for name in cpu_s}
         print(f"{'CPU per request':>22}: gateway {per['gateway']:.2f} ms, {behind} {per[behind]:.2f} ms "
               f"(process CPU time over the counted rounds with the gateway, {requests['gateway']} requests through it)")
+        print(f"{'in-band, per round':>22}: added mean ttft {', '.join(f'{x:+.2f}' for x in inband['ttft'])} ms; "
+              f"median {statistics.median(inband['ttft']):+.2f} ms")
+        print(f"{'':>22}  added mean e2e {', '.join(f'{x:+.2f}' for x in inband['e2e'])} ms; "
+              f"median {statistics.median(inband['e2e']):+.2f} ms "
+              "(the same requests: the load generator's mean less the gateway's own view of the upstream's)")
+        print(f"{'':>22}  of which before forwarding (key, body, validation, count) "
+              f"{', '.join(f'{x:.3f}' for x in inband['admission'])} ms; median {statistics.median(inband['admission']):.3f} ms")
     else:
         # Both deployments up at once (an idle one sleeps: --sleep-on-idle), rounds alternating,
         # so that drift of the machine hits both sides alike.
@@ -232,6 +256,18 @@ def main(argv=None) -> None:
         c_on, c_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
         print(f"{'server CPU per token':>22}: on {c_on:.0f} us, off {c_off:.0f} us -> {c_off / c_on:.3f}x "
               f"(rounds: on {', '.join(f'{x:.0f}' for x in cpu['on'])}; off {', '.join(f'{x:.0f}' for x in cpu['off'])})")
+
+
+def upstream_timing(gateway_url: str) -> dict[str, tuple[float, int]]:
+    """The gateway's summaries of its own time before forwarding and of the upstream's time to its
+    first chunk and to its last byte: name -> (seconds, requests) so far."""
+    with urllib.request.urlopen(gateway_url + "/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    out = {}
+    for name in ("admission", "upstream_first_chunk", "upstream_response"):
+        samples = {s.name: s.value for s in families[f"glm53_gateway_{name}_seconds"].samples}
+        out[name] = (samples[f"glm53_gateway_{name}_seconds_sum"], int(samples[f"glm53_gateway_{name}_seconds_count"]))
+    return out
 
 
 def pin(pid: int, cores: set[int]) -> None:

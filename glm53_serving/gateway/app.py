@@ -7,14 +7,16 @@ gateway's CPU; aiohttp parses in C (docs/performance.md)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Summary, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -44,6 +46,9 @@ UNAUTHENTICATED = "-"  # the tenant label of requests refused before a tenant wa
 DEPLOYMENT_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
                      "routed_dp_rank", "disagg_prefill_dp_rank")
 _PASS_RESPONSE_HEADERS = {"content-type", "cache-control"}
+# Prompts longer than this are encoded off the event loop: every stream through the gateway waits
+# while the loop encodes (~2 µs a token here), and the tokenizer releases the GIL.
+ENCODE_ON_LOOP_MAX_CHARS = 4096
 
 
 @dataclass(slots=True)
@@ -103,7 +108,20 @@ class Gateway:
         self.registry = CollectorRegistry()
         self.requests = Counter("glm53_gateway_requests", "Requests answered by the gateway",
                                 ["tenant", "endpoint", "status", "reason"], registry=self.registry)
+        # The upstream's share of each answer's latency, as the gateway sees it; the client's own
+        # latency less these is what the gateway adds (bench.serving prints it per round).
+        self.upstream_timing = UpstreamTiming(
+            Summary("glm53_gateway_admission_seconds",
+                    "From the request's handler to sending it upstream: key, body, validation, prompt count",
+                    registry=self.registry),
+            Summary("glm53_gateway_upstream_first_chunk_seconds",
+                    "From sending a request upstream to its answer's first body chunk (2xx answers)", registry=self.registry),
+            Summary("glm53_gateway_upstream_response_seconds",
+                    "From sending a request upstream to its answer's last byte (2xx answers read to the end)",
+                    registry=self.registry))
         self.assertions = tenants.AssertionCache(cfg.assertion_key) if cfg.assertion_key else None
+        # Two threads: long prompts wait their turn rather than take every core from the workers.
+        self._encoders = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="glm53-encode")
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -119,6 +137,7 @@ class Gateway:
     async def stop(self) -> None:
         if self._session is not None:
             await self._session.close()
+        self._encoders.shutdown(wait=False, cancel_futures=True)
 
     def authenticate(self, request: Request) -> str:
         """The request's tenant; ClientError(invalid_api_key) before anything is read or forwarded."""
@@ -157,20 +176,21 @@ class Gateway:
 
     async def admit_and_forward(self, request: Request, judge) -> Response:
         """Authenticate, read the body within the limit, let `judge` refuse it, then forward."""
+        started = time.perf_counter()
         endpoint = request.url.path
         tenant = UNAUTHENTICATED
         try:
             tenant = self.authenticate(request)
             raw = await self.read_body(request)
             if judge is not None:
-                judge(request, endpoint, raw)
+                await judge(request, endpoint, raw)
         except ClientError as e:
             return self._answer(tenant, endpoint, e.status, e.body(), reason=e.code)
         except ClientDisconnect:
             return Response(status_code=499)
-        return await self.forward(request, tenant, endpoint, raw)
+        return await self.forward(request, tenant, endpoint, raw, started)
 
-    def judge_generation(self, request: Request, endpoint: str, raw: bytes) -> None:
+    async def judge_generation(self, request: Request, endpoint: str, raw: bytes) -> None:
         # The workers' own validation, here first: behind the router a worker's 400 loses its
         # `param` (PD bodies are rewritten) and the router judges some fields by other bounds.
         body = validation.parse_body(raw, request.headers.get("content-type"))
@@ -180,10 +200,24 @@ class Gateway:
                 raise ClientError("invalid_request_error", f"{name} is set by the deployment, not by clients.",
                                   param=name)
         try:
-            prompt, max_new = self.counter.count(endpoint, body)
+            prompt, max_new = self.counter.prompt_of(endpoint, body)
         except Uncountable:
             return  # not ours to judge: the worker validates it with its own checks
+        if isinstance(prompt, str):
+            bound = self.counter.at_most(prompt)
+            if bound is not None:
+                try:
+                    check(self.cfg.limits, bound, max_new)
+                    return  # fits even at one token a byte: no need to encode
+                except ClientError:
+                    pass  # the bound does not decide; the count does
+            prompt = await self.encode(prompt)
         check(self.cfg.limits, prompt, max_new)
+
+    async def encode(self, text: str) -> int:
+        if len(text) <= ENCODE_ON_LOOP_MAX_CHARS:
+            return self.counter.encode(text)
+        return await asyncio.get_running_loop().run_in_executor(self._encoders, self.counter.encode, text)
 
     def upstream_headers(self, request: Request, tenant: str) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
@@ -194,7 +228,9 @@ class Gateway:
             headers[ROUTING_KEY_HEADER] = routing_key(tenant, affinity)
         return headers
 
-    async def forward(self, request: Request, tenant: str, endpoint: str, raw: bytes) -> Response:
+    async def forward(self, request: Request, tenant: str, endpoint: str, raw: bytes, started: float) -> Response:
+        sent = time.perf_counter()
+        self.upstream_timing.admission.observe(sent - started)
         try:
             upstream = await self._session.request(
                 request.method, self.cfg.upstream + endpoint, headers=self.upstream_headers(request, tenant),
@@ -208,7 +244,7 @@ class Gateway:
         if upstream.status >= 400:
             return await self._honest_error(tenant, endpoint, upstream)
         self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(upstream.status), reason="").inc()
-        return UpstreamStream(upstream)
+        return UpstreamStream(upstream, sent, self.upstream_timing)
 
     async def _honest_error(self, tenant: str, endpoint: str, upstream: aiohttp.ClientResponse) -> Response:
         """Pass a valid OpenAI-shaped error through; anything else (the router's cut or rewritten
@@ -301,6 +337,13 @@ def build_app(cfg: GatewayConfig) -> Starlette:
     return app
 
 
+@dataclass(slots=True)
+class UpstreamTiming:
+    admission: Summary
+    first_chunk: Summary
+    response: Summary
+
+
 class UpstreamStream(Response):
     """The upstream's answer passed to the client chunk by chunk, as each arrives.
 
@@ -309,8 +352,8 @@ class UpstreamStream(Response):
     (docs/performance.md). Here one plain task waits for the disconnect; when the client goes, the
     upstream connection is closed, not pooled, which the router and the worker see as an abort."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse):
-        self.upstream = upstream
+    def __init__(self, upstream: aiohttp.ClientResponse, sent: float, timing: UpstreamTiming):
+        self.upstream, self.sent, self.timing = upstream, sent, timing
         self.status_code = upstream.status
         self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                             for k, v in upstream.headers.items() if k.lower() in _PASS_RESPONSE_HEADERS]
@@ -328,8 +371,13 @@ class UpstreamStream(Response):
         done = False
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            first = True
             async for chunk in upstream.content.iter_any():
+                if first:
+                    self.timing.first_chunk.observe(time.perf_counter() - self.sent)
+                    first = False
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.timing.response.observe(time.perf_counter() - self.sent)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             done = True
         except aiohttp.ClientError:

@@ -4,10 +4,16 @@ SGLang renders a chat with the tokenizer's chat template (add_generation_prompt=
 encodes the text without adding special tokens again; /v1/completions and /generate encode the
 text as is. tests/e2e/test_gateway.py proves the counts equal the server's `prompt_tokens` on
 random chats.
+
+Encoding is the gateway's one cost that grows with the prompt (~2 µs a token here: a 256 KB
+agent prompt is 240 ms), so the gateway encodes only what a bound cannot decide: with a
+byte-level BPE and no normalizer a prompt has at most as many tokens as UTF-8 bytes
+(`at_most`), and a prompt whose bytes fit the limit needs no count at all.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,15 +22,37 @@ class Uncountable(ValueError):
     """The request's prompt is not in a form this counter understands (let the server judge it)."""
 
 
+# Pre-tokenizers that only split or drop text beside ByteLevel; any other (Metaspace's prefix "▁",
+# a normalizer's NFKC expansion) may make more tokens than bytes.
+_SPLIT_ONLY = {"Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"}
+
+
+def tokens_at_most_bytes(backend_json: str) -> bool:
+    """Whether this tokenizer (its `tokenizer.json`) never makes more tokens than UTF-8 bytes:
+    ByteLevel pre-tokenization starts every piece from one symbol per byte, BPE merges only
+    join symbols, added tokens match one or more bytes each, and nothing adds characters."""
+    spec = json.loads(backend_json)
+    if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    return (bool(byte_level) and not any(s.get("add_prefix_space") for s in byte_level)
+            and all(s.get("type") in _SPLIT_ONLY | {"ByteLevel"} for s in steps))
+
+
 @dataclass(slots=True)
 class PromptCounter:
     model_path: str
     _tok: Any = None
+    bounded_by_bytes: bool = False  # tokens <= UTF-8 bytes holds for this tokenizer (checked, not assumed)
 
     def __post_init__(self):
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(self.model_path)
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        self.bounded_by_bytes = backend is not None and tokens_at_most_bytes(backend.to_str())
 
     @property
     def tokenizer(self):
@@ -33,7 +61,11 @@ class PromptCounter:
     def encode(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False))
 
-    def chat(self, messages: list[dict]) -> int:
+    def at_most(self, text: str) -> int | None:
+        """An upper bound on `encode(text)` without encoding, or None where this tokenizer has none."""
+        return len(text.encode()) if self.bounded_by_bytes else None
+
+    def render_chat(self, messages: list[dict]) -> str:
         norm = []
         for m in messages:
             content = m.get("content")
@@ -44,38 +76,41 @@ class PromptCounter:
             if not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
                 raise Uncountable("malformed message")
             norm.append({"role": m["role"], "content": content or ""})
-        text = self._tok.apply_chat_template(norm, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        return self._tok.apply_chat_template(norm, tokenize=False, add_generation_prompt=True)
 
-    def count(self, endpoint: str, body: dict) -> tuple[int, int | None]:
-        """(prompt tokens, requested output tokens or None) for a generation request body."""
+    def prompt_of(self, endpoint: str, body: dict) -> tuple[str | int, int | None]:
+        """(the text to encode, or the prompt's token count where it came as ids; requested output
+        tokens or None) for a generation request body."""
         if endpoint == "/v1/chat/completions":
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
                 raise Uncountable("messages")
             max_new = body.get("max_completion_tokens", body.get("max_tokens"))
-            return self.chat(msgs), _int_or_none(max_new)
+            return self.render_chat(msgs), _int_or_none(max_new)
         if endpoint == "/v1/completions":
             prompt = body.get("prompt")
-            if isinstance(prompt, str):
-                n = self.encode(prompt)
-            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                n = len(prompt)
-            else:
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                prompt = len(prompt)
+            elif not isinstance(prompt, str):
                 raise Uncountable("prompt")
-            return n, _int_or_none(body.get("max_tokens"))
+            return prompt, _int_or_none(body.get("max_tokens"))
         if endpoint == "/generate":
             params = body.get("sampling_params") or {}
             if not isinstance(params, dict):
                 raise Uncountable("sampling_params")
             if isinstance(body.get("input_ids"), list) and all(isinstance(t, int) for t in body["input_ids"]):
-                n = len(body["input_ids"])
+                prompt = len(body["input_ids"])
             elif isinstance(body.get("text"), str):
-                n = self.encode(body["text"])
+                prompt = body["text"]
             else:
                 raise Uncountable("batch or non-text input")
-            return n, _int_or_none(params.get("max_new_tokens"))
+            return prompt, _int_or_none(params.get("max_new_tokens"))
         raise Uncountable(endpoint)
+
+    def count(self, endpoint: str, body: dict) -> tuple[int, int | None]:
+        """(prompt tokens, requested output tokens or None) for a generation request body."""
+        prompt, max_new = self.prompt_of(endpoint, body)
+        return (prompt if isinstance(prompt, int) else self.encode(prompt)), max_new
 
 
 def _int_or_none(v) -> int | None:

@@ -149,3 +149,34 @@ def test_the_gateway_process_freezes_its_start_up_heap():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     frozen, collectable = map(int, out.stdout.split())
     assert frozen > 100_000 and collectable < frozen / 10, out.stdout
+
+
+def test_the_gateway_times_the_upstream_share_of_each_answer(upstream):
+    """What bench.serving subtracts from the client's latency to get the gateway's own: the time
+    to the first chunk and to the last byte, for answers read to their end only; and the gateway's
+    own time before forwarding."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def timing(client):
+        samples = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
+        return {k: (samples[f"glm53_gateway_{k}_seconds_sum"], samples[f"glm53_gateway_{k}_seconds_count"])
+                for k in ("admission", "upstream_first_chunk", "upstream_response")}
+
+    served = serve(build_app(gateway_config(upstream)))
+    url = next(served)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            with client.stream("POST", "/generate?delay=0.3", json={**BODY, "stream": True}) as r:
+                next(r.iter_bytes())  # and gone: not an answer read to its end
+            upstream_stream_ended()
+            t0 = time.monotonic()
+            whole = client.post("/generate?delay=0.1", json={**BODY, "stream": True}).content
+            took = time.monotonic() - t0
+            assert whole.endswith(b"data: [DONE]\n\n")
+            t = timing(client)
+    finally:
+        next(served, None)
+    (admit_s, admit_n), (first_s, first_n), (whole_s, whole_n) = t.values()
+    assert admit_n == first_n == 2 and whole_n == 1, t  # the cut stream had its first chunk, not its end
+    assert 0 < admit_s < 0.1, t
+    assert first_s < 0.2 and 0.5 <= whole_s <= took, (t, took)  # events 0.1 s apart after the first
