@@ -207,8 +207,8 @@ def main(argv=None) -> None:
                             requests[behind] += r["completed"]  # every request crosses what is behind the gateway
                             requests["gateway"] += r["completed"] if side == "gateway" else 0
                         [via] = [r for (side, _), r in zip(together, results) if side == "gateway"]
-                        upstream = {k: (s1 - s0, n1 - n0) for k, ((s0, n0), (s1, n1)) in
-                                    ((k, (timing[k], v)) for k, v in upstream_timing(info["client_url"]).items())}
+                        now = upstream_timing(info["client_url"])
+                        upstream = {k: (now[k][0] - timing[k][0], now[k][1] - timing[k][1]) for k in now}
                         assert all(n == via["completed"] for _, n in upstream.values()), (upstream, via["completed"])
                         inband["ttft"].append(via["mean_ttft_ms"] - 1000 * upstream["upstream_first_chunk"][0] / via["completed"])
                         inband["e2e"].append(via["mean_e2e_latency_ms"] - 1000 * upstream["upstream_response"][0] / via["completed"])

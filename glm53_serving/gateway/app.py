@@ -108,8 +108,9 @@ class Gateway:
         self.registry = CollectorRegistry()
         self.requests = Counter("glm53_gateway_requests", "Requests answered by the gateway",
                                 ["tenant", "endpoint", "status", "reason"], registry=self.registry)
-        # The upstream's share of each answer's latency, as the gateway sees it; the client's own
-        # latency less these is what the gateway adds (bench.serving prints it per round).
+        # The gateway's own time before forwarding, and the upstream's share of each answer's
+        # latency as the gateway sees it: the client's latency less the upstream's is what the
+        # gateway adds (bench.serving prints it per round).
         self.upstream_timing = UpstreamTiming(
             Summary("glm53_gateway_admission_seconds",
                     "From the request's handler to sending it upstream: key, body, validation, prompt count",

@@ -14,7 +14,7 @@ byte-level BPE and no normalizer a prompt has at most as many tokens as UTF-8 by
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -45,7 +45,7 @@ def tokens_at_most_bytes(backend_json: str) -> bool:
 class PromptCounter:
     model_path: str
     _tok: Any = None
-    bounded_by_bytes: bool = False  # tokens <= UTF-8 bytes holds for this tokenizer (checked, not assumed)
+    bounded_by_bytes: bool = field(init=False, default=False)  # tokens <= UTF-8 bytes holds for this tokenizer (checked, not assumed)
 
     def __post_init__(self):
         from transformers import AutoTokenizer

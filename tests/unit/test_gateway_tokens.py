@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, normalizers
 from glm53_serving.admission import Limits
 from glm53_serving.errors import ClientError
 from glm53_serving.gateway.app import ENCODE_ON_LOOP_MAX_CHARS, Gateway, GatewayConfig
-from glm53_serving.gateway.tokens import PromptCounter, tokens_at_most_bytes
+from glm53_serving.gateway.tokens import tokens_at_most_bytes
 from glm53_serving.models import tiny
 
 LIMITS = Limits(506, 510, 512)  # prompts of at most 505 tokens
