@@ -104,6 +104,9 @@ def cached(run, ids, tenant, **extra):
     return r.json()["meta_info"]["cached_tokens"], r.json()["output_ids"]
 
 
+CHANCE_PREFIX_HIT = 4  # P(4 random tokens in [5, 500) match a cached prefix) < 1e-8 per prompt
+
+
 @pytest.mark.parametrize("spoof", ["cache_salt", "extra_key", "both"])
 def test_prefix_cache_hits_within_a_tenant_and_never_across(single, spoof):
     ids = [random.Random(uuid.uuid4().int).randrange(5, 500) for _ in range(300)]  # new to the cache
@@ -111,11 +114,13 @@ def test_prefix_cache_hits_within_a_tenant_and_never_across(single, spoof):
     a_salt = tenants.cache_salt(key, "demo")  # even tenant A's real namespace, leaked to B, is no way in
     body = {"cache_salt": {"cache_salt": a_salt}, "extra_key": {"extra_key": a_salt},
             "both": {"cache_salt": a_salt, "extra_key": "x"}}[spoof]
-    assert cached(single, ids, "demo")[0] == 0
+    # A few tokens may hit by chance: other tests' random prompts share the namespaces and the
+    # radix cache matches single tokens (CI once saw 1). A shared namespace would hit >= 256.
+    assert cached(single, ids, "demo")[0] < CHANCE_PREFIX_HIT
     hit, out_a = cached(single, ids, "demo")
     assert hit >= 256, hit  # within a tenant, caching works (so the miss below is not caching being off)
     miss, out_b = cached(single, ids, "demo-b", **body)
-    assert miss == 0  # B never lands in A's namespace
+    assert miss < CHANCE_PREFIX_HIT, miss  # B never lands in A's namespace
     hit_b, out_b2 = cached(single, ids, "demo-b")
     assert hit_b >= 256 and out_b == out_a == out_b2  # B's own namespace caches; the output is the model's
 
