@@ -3,9 +3,12 @@
     python -m glm53_serving.bench.gateway_hop [--concurrency 8] [--rounds 4]
 
 A stand-in upstream (aiohttp) streams SGLang-shaped /generate events at a fixed decode step; the
-real gateway (`python -m glm53_serving.gateway`, tenants on) is put in front of it, and the same
-load, alternating rounds, goes to the stand-in straight and through the gateway. Prints the
-added TTFT and e2e p50 and the gateway's process CPU per request and per chunk. A quick loop for
+real gateway (`python -m glm53_serving.gateway`, tenants on) is put in front of it, and beside it
+a bare pass-through on the same stack (uvicorn with httptools and uvloop, aiohttp's client; no
+key, validation, count or metrics): the floor any Python hop on this stack pays on this machine.
+The same load, alternating rounds, goes to the stand-in straight, through the bare hop and
+through the gateway. Prints each hop's added TTFT and e2e p50, the gateway's own share beyond
+the floor and its time before forwarding, and its process CPU per request and per chunk. A quick loop for
 work on the hop; the figures for the issue's targets come from `bench.serving gateway`, which
 drives the real topology with SGLang's own load generator. Not a test.
 """
@@ -28,7 +31,7 @@ import psutil
 
 from glm53_serving import tenants
 from glm53_serving.admission import LIMITS_ENV, Limits
-from glm53_serving.bench.serving import cpu_seconds
+from glm53_serving.bench.serving import cpu_seconds, upstream_timing
 from glm53_serving.models import tiny
 from glm53_serving.topology import free_port
 
@@ -59,6 +62,35 @@ def stand_in(port: int, events: int, step_s: float) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def bare_hop(port: int, upstream: str) -> None:
+    """Read the body, send it upstream, pass the answer back chunk by chunk: nothing else."""
+    import uvicorn
+
+    session: aiohttp.ClientSession | None = None
+
+    async def app(scope, receive, send):
+        nonlocal session
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] == "lifespan.startup":
+                session = aiohttp.ClientSession(skip_auto_headers=("Content-Type", "Accept-Encoding", "User-Agent"))
+                await send({"type": "lifespan.startup.complete"})
+            await session.close()
+            return await send({"type": "lifespan.shutdown.complete"})
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        async with session.request(scope["method"], upstream + scope["path"], data=body or None,
+                                   headers={"content-type": "application/json"}) as r:
+            await send({"type": "http.response.start", "status": r.status,
+                        "headers": [(b"content-type", r.headers.get("content-type", "").encode())]})
+            async for chunk in r.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop", http="httptools")
 
 
 async def load(url: str, key: str | None, a) -> dict:
@@ -93,18 +125,23 @@ def main(argv=None) -> None:
     p.add_argument("--step-ms", type=float, default=6.0, help="the stand-in's decode step")
     p.add_argument("--rounds", type=int, default=4, help="counted rounds per side, after one warm-up each")
     p.add_argument("--stand-in", type=int, help=argparse.SUPPRESS)  # internal: serve the stand-in on this port
+    p.add_argument("--bare-hop", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)  # internal, likewise
     a = p.parse_args(argv)
     if a.stand_in:
         return stand_in(a.stand_in, a.events, a.step_ms / 1000)
+    if a.bare_hop:
+        return bare_hop(int(a.bare_hop[0]), a.bare_hop[1])
 
     tmp = Path(tempfile.mkdtemp(prefix="glm53-hop-"))
     print(f"gateway hop: {a.requests} requests x {a.events} events, concurrency {a.concurrency}, "
           f"{a.rounds} alternating rounds per side; gateway log in {tmp}")
     key_file, tenants_file = tenants.new_assertion_key(tmp / "assertion.key"), tmp / "tenants.toml"
     key = tenants.add_tenant(tenants_file, "bench")
-    up_port, gw_port = free_port(), free_port()
+    up_port, gw_port, bare_port = free_port(), free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, "--stand-in", str(up_port),
                                "--events", str(a.events), "--step-ms", str(a.step_ms)])]
+    procs.append(subprocess.Popen([sys.executable, "-m", __spec__.name, "--bare-hop", str(bare_port),
+                                   f"http://127.0.0.1:{up_port}"]))
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "glm53_serving.gateway", "--upstream", f"http://127.0.0.1:{up_port}",
          "--model-path", str(tiny.ensure()), "--served-model-name", "glm53-tiny", "--context-length", "4096",
@@ -112,18 +149,21 @@ def main(argv=None) -> None:
         env={**os.environ, LIMITS_ENV: Limits(4000, 4096, 4096).to_env(), tenants.KEY_FILE_ENV: str(key_file)},
         stderr=(tmp / "gateway.log").open("w")))
     try:
-        for port, proc in zip((up_port, gw_port), procs):
+        for port, proc in zip((up_port, bare_port, gw_port), procs):
             asyncio.run(_wait_up(f"http://127.0.0.1:{port}/health", proc))
-        gateway = psutil.Process(procs[1].pid)
-        sides = {"straight": (f"http://127.0.0.1:{up_port}", None), "via gateway": (f"http://127.0.0.1:{gw_port}", key)}
+        gateway = psutil.Process(procs[2].pid)
+        sides = {"straight": (f"http://127.0.0.1:{up_port}", None), "via bare hop": (f"http://127.0.0.1:{bare_port}", None),
+                 "via gateway": (f"http://127.0.0.1:{gw_port}", key)}
         runs = {side: [] for side in sides}
         for i in range(a.rounds + 1):
-            for side, (url, k) in sides.items():
+            order = list(sides.items())
+            for side, (url, k) in order[i % 3:] + order[:i % 3]:  # who goes first rotates: the machine drifts
                 cpu0 = cpu_seconds([gateway])
                 r = asyncio.run(load(url, k, a))
                 r["cpu_s"] = cpu_seconds([gateway]) - cpu0
                 if i:
                     runs[side].append(r)
+        before_forwarding = upstream_timing(sides["via gateway"][0])["admission"]  # all rounds, warm-up too
     finally:
         for proc in procs:
             proc.terminate()
@@ -135,8 +175,13 @@ def main(argv=None) -> None:
     gw = runs["via gateway"]
     per_req = [1000 * r["cpu_s"] / a.requests for r in gw]
     per_chunk = [1e6 * r["cpu_s"] / r["chunks"] for r in gw]
-    print(f"{'added':>12}: ttft p50 {med['via gateway']['ttft'] - med['straight']['ttft']:+.2f} ms, "
-          f"e2e p50 {med['via gateway']['e2e'] - med['straight']['e2e']:+.2f} ms")
+    for hop in ("via bare hop", "via gateway"):
+        print(f"{'added':>12}: {hop}: ttft p50 {med[hop]['ttft'] - med['straight']['ttft']:+.2f} ms, "
+              f"e2e p50 {med[hop]['e2e'] - med['straight']['e2e']:+.2f} ms")
+    print(f"{'':>12}  the gateway's own, beyond the bare hop: ttft p50 "
+          f"{med['via gateway']['ttft'] - med['via bare hop']['ttft']:+.2f} ms, e2e p50 "
+          f"{med['via gateway']['e2e'] - med['via bare hop']['e2e']:+.2f} ms; before forwarding (key, body, "
+          f"validation, count) {1000 * before_forwarding[0] / before_forwarding[1]:.3f} ms mean")
     print(f"{'gateway CPU':>12}: {statistics.median(per_req):.2f} ms per request, "
           f"{statistics.median(per_chunk):.0f} us per chunk (rounds: {', '.join(f'{x:.2f}' for x in per_req)} ms)")
 
