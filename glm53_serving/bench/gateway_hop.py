@@ -157,7 +157,7 @@ def main(argv=None) -> None:
         runs = {side: [] for side in sides}
         for i in range(a.rounds + 1):
             order = list(sides.items())
-            for side, (url, k) in order[i % 3:] + order[:i % 3]:  # who goes first rotates: the machine drifts
+            for side, (url, k) in order[i % len(order):] + order[:i % len(order)]:  # who goes first rotates: the machine drifts
                 cpu0 = cpu_seconds([gateway])
                 r = asyncio.run(load(url, k, a))
                 r["cpu_s"] = cpu_seconds([gateway]) - cpu0

@@ -154,13 +154,8 @@ def test_the_gateway_process_freezes_its_start_up_heap():
 def test_the_gateway_times_the_upstream_share_of_each_answer(upstream):
     """What bench.serving subtracts from the client's latency to get the gateway's own: the time
     to the first chunk and to the last byte, for answers read to their end only; and the gateway's
-    own time before forwarding."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def timing(client):
-        samples = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
-        return {k: (samples[f"glm53_gateway_{k}_seconds_sum"], samples[f"glm53_gateway_{k}_seconds_count"])
-                for k in ("admission", "upstream_first_chunk", "upstream_response")}
+    own time before forwarding; read as the bench reads them."""
+    from glm53_serving.bench.serving import upstream_timing
 
     served = serve(build_app(gateway_config(upstream)))
     url = next(served)
@@ -173,7 +168,7 @@ def test_the_gateway_times_the_upstream_share_of_each_answer(upstream):
             whole = client.post("/generate?delay=0.1", json={**BODY, "stream": True}).content
             took = time.monotonic() - t0
             assert whole.endswith(b"data: [DONE]\n\n")
-            t = timing(client)
+            t = upstream_timing(url)
     finally:
         next(served, None)
     (admit_s, admit_n), (first_s, first_n), (whole_s, whole_n) = t.values()
