@@ -120,6 +120,14 @@ SAMPLE = 64  # list elements validated first (see check_schema)
 # failing object costs one error per union member); far above any servable request's count
 # (a token-id list is one array, a chat message two or three objects).
 MAX_CONTAINERS = 4096
+# Entries of one array or object. Lists of ints (a prompt's token ids, a batch's rows) may be as
+# long as any model's context; every other list (a batch of prompts, stop strings, content parts)
+# and every object (logit_bias) is held to MAX_ITEMS. Without it the sample below is dodged by
+# values whose validity depends on the value, not the type: stop_token_ids of 64 "1"s and then
+# 1.6 million "a"s (6.4 MB) passed the sample and cost 11 s of pydantic's error reporting, and a
+# 1.6-million-prompt completions batch was valid (measured).
+MAX_ITEMS = 4096
+MAX_TOKEN_IDS = 1 << 20
 # Nesting: no request of any endpoint nests deeper than about ten levels; orjson allows 1024, and
 # Python code walking such a body recursively (ours, upstream's) meets the recursion limit first
 # (measured: a 1000-deep body reset the connection).
@@ -131,10 +139,12 @@ def check_schema(endpoint: str, body: dict) -> None:
 
     Cost bound: pydantic reports every failing element of every union member, so a list of 200 000
     wrong elements costs tens of seconds of the event loop (measured: 31 s for 200 000 chat content parts, 3.8 s for 16 000),
-    the server's whole HTTP process stalling for every tenant. So every list must first hold one
-    kind of element and the body stay within MAX_CONTAINERS and MAX_DEPTH (one pass), then the
-    body is validated with each list cut to its first SAMPLE elements, and only then whole: a body
-    that reaches the full validation has at most a few failing elements."""
+    the server's whole HTTP process stalling for every tenant. So first, in one pass that stops at
+    the first breach, every array and object must stay within its length bound, every list hold
+    one kind of element, and the body stay within MAX_CONTAINERS and MAX_DEPTH; then the body is
+    validated with each list cut to its first SAMPLE elements, and only then whole: a body that
+    reaches the full validation has at most MAX_ITEMS failing elements per list (lists of ints
+    fail by type, which the sample catches)."""
     from pydantic import ValidationError
 
     _check_uniform(body)
@@ -156,39 +166,49 @@ def _sampled(value):
 
 
 def _check_uniform(body: dict) -> None:
-    """Every list holds elements of one JSON type (null aside), and every chat message and
-    content part is an object with a string role / type: one pass, no union errors."""
-    stack: list[tuple[str, object, int]] = [("", body, 1)]
-    containers = 0
+    """The bounds above, and every chat message and content part an object with a string role /
+    type: one pass, no union errors, no work past a container's bound. Containers are counted as
+    they are found, so a list of a million objects is refused before any of them is visited."""
+    stack: list[tuple[str, dict | list, int]] = [("", body, 1)]
+    containers = 1
     while stack:
         path, value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            containers += 1
-            if containers > MAX_CONTAINERS:
-                raise invalid(f"The request has more than {MAX_CONTAINERS} JSON objects and arrays.")
-            if depth > MAX_DEPTH:
-                raise invalid(f"The request nests JSON deeper than {MAX_DEPTH} levels.", path)
+        if depth > MAX_DEPTH:
+            raise invalid(f"The request nests JSON deeper than {MAX_DEPTH} levels.", path)
         if isinstance(value, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v, depth + 1) for k, v in value.items())
-        elif isinstance(value, list) and value and not _FREE_FORM.search(path):
-            kinds = {type(v) for v in value if v is not None}
-            if len(kinds) > 1:
-                first = type(next(v for v in value if v is not None))
-                i = next(i for i, v in enumerate(value) if v is not None and type(v) is not first)
-                raise invalid(f"{path}[{i}] is a {type(value[i]).__name__}, unlike {path}[0]: "
-                              "a list holds one kind of element.", f"{path}[{i}]")
-            if dict in kinds and (path == "messages" or path.endswith(".content")):
-                key = "role" if path == "messages" else "type"
-                for i, v in enumerate(value):
-                    if isinstance(v, dict) and not isinstance(v.get(key), str):
-                        raise invalid(f"{path}[{i}].{key} is required and must be a string.", f"{path}[{i}].{key}")
-                    if key == "role" and not isinstance(v.get("content"), (str, list, type(None))):
-                        raise invalid(f"{path}[{i}].content must be a string, a list of parts or null.",
-                                      f"{path}[{i}].content")
-            if kinds & {dict, list}:
-                stack.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value) if isinstance(v, (dict, list)))
+            if len(value) > MAX_ITEMS:
+                raise invalid(f"{path or 'The request body'} has {len(value)} entries; at most {MAX_ITEMS}.", path or None)
+            children = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items() if isinstance(v, (dict, list))]
+        else:
+            children = _check_list(path, value)
+        containers += len(children)
+        if containers > MAX_CONTAINERS:
+            raise invalid(f"The request has more than {MAX_CONTAINERS} JSON objects and arrays.")
+        stack.extend((p, v, depth + 1) for p, v in children)
+
+
+def _check_list(path: str, value: list) -> list[tuple[str, dict | list]]:
+    """One list's bounds and kind; its containers, to visit."""
+    kinds = {type(v) for v in value if v is not None} if len(value) <= MAX_TOKEN_IDS else set()
+    if len(value) > (MAX_TOKEN_IDS if kinds == {int} else MAX_ITEMS):
+        raise invalid(f"{path} has {len(value)} elements; a list has at most {MAX_ITEMS} "
+                      f"(a list of token ids: {MAX_TOKEN_IDS}).", path)
+    if len(kinds) > 1 and not _FREE_FORM.search(path):
+        first = type(next(v for v in value if v is not None))
+        i = next(i for i, v in enumerate(value) if v is not None and type(v) is not first)
+        raise invalid(f"{path}[{i}] is a {type(value[i]).__name__}, unlike {path}[0]: "
+                      "a list holds one kind of element.", f"{path}[{i}]")
+    if dict in kinds and (path == "messages" or path.endswith(".content")):
+        key = "role" if path == "messages" else "type"
+        for i, v in enumerate(value):
+            if isinstance(v, dict) and not isinstance(v.get(key), str):
+                raise invalid(f"{path}[{i}].{key} is required and must be a string.", f"{path}[{i}].{key}")
+            if key == "role" and not isinstance(v.get("content"), (str, list, type(None))):
+                raise invalid(f"{path}[{i}].content must be a string, a list of parts or null.",
+                              f"{path}[{i}].content")
+    if not kinds & {dict, list}:
+        return []
+    return [(f"{path}[{i}]", v) for i, v in enumerate(value) if isinstance(v, (dict, list))]
 
 
 # Fields that hold arbitrary JSON (a tool's JSON Schema, a response schema, custom params): their

@@ -1,6 +1,6 @@
 """The gateway's own cost per streamed chunk, without a model server's noise.
 
-    python -m glm53_serving.bench.gateway_hop [--concurrency 8] [--rounds 4]
+    python -m glm53_serving.bench.gateway_hop [--concurrency 8] [--rounds 4] [--hops-own-core]
 
 A stand-in upstream (aiohttp) streams SGLang-shaped /generate events at a fixed decode step; the
 real gateway (`python -m glm53_serving.gateway`, tenants on) is put in front of it, and beside it
@@ -31,7 +31,7 @@ import psutil
 
 from glm53_serving import tenants
 from glm53_serving.admission import LIMITS_ENV, Limits
-from glm53_serving.bench.serving import cpu_seconds, upstream_timing
+from glm53_serving.bench.serving import cpu_seconds, pin, upstream_timing
 from glm53_serving.models import tiny
 from glm53_serving.topology import free_port
 
@@ -124,6 +124,9 @@ def main(argv=None) -> None:
     p.add_argument("--events", type=int, default=32, help="streamed events per request")
     p.add_argument("--step-ms", type=float, default=6.0, help="the stand-in's decode step")
     p.add_argument("--rounds", type=int, default=4, help="counted rounds per side, after one warm-up each")
+    p.add_argument("--hops-own-core", action="store_true",
+                   help="the bare hop and the gateway on the last core, the stand-in and the load on the others "
+                        "(as on a GPU host, where the gateway's core does not run the serving path)")
     p.add_argument("--stand-in", type=int, help=argparse.SUPPRESS)  # internal: serve the stand-in on this port
     p.add_argument("--bare-hop", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)  # internal, likewise
     a = p.parse_args(argv)
@@ -132,6 +135,10 @@ def main(argv=None) -> None:
     if a.bare_hop:
         return bare_hop(int(a.bare_hop[0]), a.bare_hop[1])
 
+    if a.hops_own_core:  # inherited by the stand-in and the hops; the hops are moved below
+        *load_cores, hop_core = sorted(os.sched_getaffinity(0))
+        assert load_cores, "--hops-own-core needs 2 or more cores"
+        os.sched_setaffinity(0, load_cores)
     tmp = Path(tempfile.mkdtemp(prefix="glm53-hop-"))
     print(f"gateway hop: {a.requests} requests x {a.events} events, concurrency {a.concurrency}, "
           f"{a.rounds} alternating rounds per side; gateway log in {tmp}")
@@ -151,16 +158,21 @@ def main(argv=None) -> None:
     try:
         for port, proc in zip((up_port, bare_port, gw_port), procs):
             asyncio.run(_wait_up(f"http://127.0.0.1:{port}/health", proc))
-        gateway = psutil.Process(procs[2].pid)
+        hop_process = {"via bare hop": psutil.Process(procs[1].pid), "via gateway": psutil.Process(procs[2].pid)}
+        if a.hops_own_core:
+            for proc in procs[1:]:
+                pin(proc.pid, {hop_core})
+            print(f"bare hop and gateway on core {hop_core}; stand-in and load on cores {load_cores}")
         sides = {"straight": (f"http://127.0.0.1:{up_port}", None), "via bare hop": (f"http://127.0.0.1:{bare_port}", None),
                  "via gateway": (f"http://127.0.0.1:{gw_port}", key)}
         runs = {side: [] for side in sides}
         for i in range(a.rounds + 1):
             order = list(sides.items())
             for side, (url, k) in order[i % len(order):] + order[:i % len(order)]:  # who goes first rotates: the machine drifts
-                cpu0 = cpu_seconds([gateway])
+                measured = [hop_process[side]] if side in hop_process else []
+                cpu0 = cpu_seconds(measured)
                 r = asyncio.run(load(url, k, a))
-                r["cpu_s"] = cpu_seconds([gateway]) - cpu0
+                r["cpu_s"] = cpu_seconds(measured) - cpu0
                 if i:
                     runs[side].append(r)
         before_forwarding = upstream_timing(sides["via gateway"][0])["admission"]  # all rounds, warm-up too
@@ -172,9 +184,6 @@ def main(argv=None) -> None:
     for side, m in med.items():
         print(f"{side:>12}: ttft p50 {m['ttft']:7.2f} ms, e2e p50 {m['e2e']:7.2f} ms  (rounds: "
               + ", ".join(f"{r['e2e']:.1f}" for r in runs[side]) + ")")
-    gw = runs["via gateway"]
-    per_req = [1000 * r["cpu_s"] / a.requests for r in gw]
-    per_chunk = [1e6 * r["cpu_s"] / r["chunks"] for r in gw]
     for hop in ("via bare hop", "via gateway"):
         print(f"{'added':>12}: {hop}: ttft p50 {med[hop]['ttft'] - med['straight']['ttft']:+.2f} ms, "
               f"e2e p50 {med[hop]['e2e'] - med['straight']['e2e']:+.2f} ms")
@@ -182,8 +191,11 @@ def main(argv=None) -> None:
           f"{med['via gateway']['ttft'] - med['via bare hop']['ttft']:+.2f} ms, e2e p50 "
           f"{med['via gateway']['e2e'] - med['via bare hop']['e2e']:+.2f} ms; before forwarding (key, body, "
           f"validation, count) {1000 * before_forwarding[0] / before_forwarding[1]:.3f} ms mean")
-    print(f"{'gateway CPU':>12}: {statistics.median(per_req):.2f} ms per request, "
-          f"{statistics.median(per_chunk):.0f} us per chunk (rounds: {', '.join(f'{x:.2f}' for x in per_req)} ms)")
+    for hop in hop_process:
+        per_req = [1000 * r["cpu_s"] / a.requests for r in runs[hop]]
+        per_chunk = [1e6 * r["cpu_s"] / r["chunks"] for r in runs[hop]]
+        print(f"{'CPU':>12}: {hop}: {statistics.median(per_req):.2f} ms per request, "
+              f"{statistics.median(per_chunk):.0f} us per chunk (rounds: {', '.join(f'{x:.2f}' for x in per_req)} ms)")
 
 
 async def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:

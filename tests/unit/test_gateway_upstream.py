@@ -91,6 +91,23 @@ def test_an_unreachable_upstream_is_a_502_with_the_contract_body():
         assert err["message"].startswith("The model server is unreachable")
 
 
+def test_a_gateway_failure_is_a_500_with_the_contract_body_and_other_routes_still_answer(upstream):
+    app = build_app(gateway_config(upstream))
+
+    async def broken(*_args):
+        raise RuntimeError("a bug in the gateway")
+
+    app.gateway.judge_generation = broken
+    with TestClient(app, raise_server_exceptions=False) as gw:
+        r = gw.post("/generate", json=BODY)
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+        assert r.json()["error"] == {"message": "The gateway failed on this request.", "type": "server_error",
+                                     "param": None, "code": "internal_error"}
+        assert 'reason="internal_error"' in gw.get("/metrics").text
+        assert gw.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+        assert gw.get("/generate").status_code == 405 and gw.post("/nowhere").status_code == 404
+
+
 def test_a_stream_passes_through_chunk_by_chunk(upstream):
     with gateway(upstream) as gw:
         with gw.stream("POST", "/generate?delay=0.3", json={**BODY, "stream": True}) as r:

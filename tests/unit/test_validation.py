@@ -196,15 +196,30 @@ def test_pd_takes_one_sample_per_request(endpoint, body, param):
 OK_MSG = {"role": "user", "content": "x"}
 
 
+N = v.MAX_ITEMS - 64  # elements after the sample, within the list bound
+
+
 @pytest.mark.parametrize("endpoint,body,param", [
     # each would otherwise cost seconds of the event loop in pydantic's error reporting
-    (v.CHAT, {"messages": [7] * 200_000}, "messages[0]"),
-    (v.CHAT, {"messages": [OK_MSG] * 64 + [{"role": "user", "content": 5}] * 200_000}, "messages[64].content"),
-    (v.CHAT, {"messages": [OK_MSG] * 64 + [{"content": "x"}] * 200_000}, "messages[64].role"),
-    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 64 + [{"type": "text"}] * 200_000}]},
+    (v.CHAT, {"messages": [7] * N}, "messages[0]"),
+    (v.CHAT, {"messages": [OK_MSG] * 64 + [{"role": "user", "content": 5}] * N}, "messages[64].content"),
+    (v.CHAT, {"messages": [OK_MSG] * 64 + [{"content": "x"}] * N}, "messages[64].role"),
+    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 64 + [{"type": "text"}] * N}]},
      None),
-    (v.COMPLETIONS, {"prompt": [1] * 64 + [1.5] * 200_000}, "prompt[64]"),
-    (v.GENERATE, {"text": ["a"] * 64 + [7] * 200_000}, "text[64]"),
+    (v.COMPLETIONS, {"prompt": [1] * 64 + [1.5] * N}, "prompt[64]"),
+    (v.GENERATE, {"text": ["a"] * 64 + [7] * N}, "text[64]"),
+    # values whose validity is not their type's get past the sample: the list bound caps them
+    (v.CHAT, {"messages": [OK_MSG], "stop_token_ids": ["1"] * 64 + ["a"] * N}, "stop_token_ids[64]"),
+    # and past the bound, the length is the error, found before any element is looked at
+    (v.CHAT, {"messages": [OK_MSG], "stop_token_ids": ["1"] * 64 + ["a"] * 1_600_000}, "stop_token_ids"),  # was 11 s
+    (v.CHAT, {"messages": [OK_MSG] * 250_000}, "messages"),
+    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 300_000}]},
+     "messages[0].content"),
+    (v.COMPLETIONS, {"prompt": ["a"] * 1_600_000}, "prompt"),  # was valid: a 1.6-million-prompt batch
+    (v.GENERATE, {"text": ["a"] * 64 + [7] * 200_000}, "text"),
+    (v.GENERATE, {"input_ids": [1] * (v.MAX_TOKEN_IDS + 1)}, "input_ids"),
+    (v.CHAT, {"messages": [OK_MSG], "logit_bias": {str(i): 1 for i in range(500_000)}}, "logit_bias"),
+    (v.CHAT, {"messages": [OK_MSG], **{f"x{i}": 1 for i in range(v.MAX_ITEMS)}}, None),
 ])
 def test_huge_malformed_lists_are_rejected_within_the_rejection_bound(endpoint, body, param):
     import time
@@ -213,8 +228,16 @@ def test_huge_malformed_lists_are_rejected_within_the_rejection_bound(endpoint, 
         v._model(ep)  # SGLang's models imported and built before timing
     t0 = time.monotonic()
     e = rejected(endpoint, body)
-    # without the bound: 10 to 31 s; with it, 0.02 to 0.1 s on an idle 2-core machine
+    # without the bounds: 1 to 31 s; with them, 0.01 to 0.2 s on an idle 2-core machine
     assert time.monotonic() - t0 < 3.0 and e.param == param, e.message
+
+
+def test_lists_of_token_ids_may_be_as_long_as_a_context_and_other_lists_are_bounded():
+    check(v.COMPLETIONS, {"prompt": [[1] * 250] * 4000, "max_tokens": 1})
+    check(v.COMPLETIONS, {"prompt": ["a"] * v.MAX_ITEMS, "max_tokens": 1})
+    check(v.CHAT, {"messages": MSG, "logit_bias": {str(i): 1 for i in range(VOCAB)}})
+    e = rejected(v.COMPLETIONS, {"prompt": ["a"] * (v.MAX_ITEMS + 1)})
+    assert e.param == "prompt" and f"at most {v.MAX_ITEMS}" in e.message
 
 
 def test_a_long_valid_token_list_passes_quickly():
