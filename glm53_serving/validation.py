@@ -120,14 +120,14 @@ SAMPLE = 64  # list elements validated first (see check_schema)
 # failing object costs one error per union member); far above any servable request's count
 # (a token-id list is one array, a chat message two or three objects).
 MAX_CONTAINERS = 4096
-# Entries of one array or object. Lists of ints (a prompt's token ids, a batch's rows) may be as
-# long as any model's context; every other list (a batch of prompts, stop strings, content parts)
-# and every object (logit_bias) is held to MAX_ITEMS. Without it the sample below is dodged by
-# values whose validity depends on the value, not the type: stop_token_ids of 64 "1"s and then
-# 1.6 million "a"s (6.4 MB) passed the sample and cost 11 s of pydantic's error reporting, and a
-# 1.6-million-prompt completions batch was valid (measured).
+# Entries of one array or object, lists of ints aside: a prompt's token ids are judged by the
+# deployment's length limit (admission's contract, context_length_exceeded), and an int list can
+# fail only by type, which the sample below catches. Every other list (a batch of prompts, stop
+# strings, content parts) and every object (logit_bias) is held to MAX_ITEMS. Without it the
+# sample is dodged by values whose validity depends on the value, not the type: stop_token_ids of
+# 64 "1"s and then 1.6 million "a"s (6.4 MB) passed it and cost 11 s of pydantic's error
+# reporting, and a 1.6-million-prompt completions batch was valid (measured).
 MAX_ITEMS = 4096
-MAX_TOKEN_IDS = 1 << 20
 # Nesting: no request of any endpoint nests deeper than about ten levels; orjson allows 1024, and
 # Python code walking such a body recursively (ours, upstream's) meets the recursion limit first
 # (measured: a 1000-deep body reset the connection).
@@ -189,10 +189,10 @@ def _check_uniform(body: dict) -> None:
 
 def _check_list(path: str, value: list) -> list[tuple[str, dict | list]]:
     """One list's bounds and kind; its containers, to visit."""
-    kinds = {type(v) for v in value if v is not None} if len(value) <= MAX_TOKEN_IDS else set()
-    if len(value) > (MAX_TOKEN_IDS if kinds == {int} else MAX_ITEMS):
+    kinds = {type(v) for v in value if v is not None}
+    if len(value) > MAX_ITEMS and kinds != {int}:
         raise invalid(f"{path} has {len(value)} elements; a list has at most {MAX_ITEMS} "
-                      f"(a list of token ids: {MAX_TOKEN_IDS}).", path)
+                      "(lists of token ids aside).", path)
     if len(kinds) > 1 and not _FREE_FORM.search(path):
         first = type(next(v for v in value if v is not None))
         i = next(i for i, v in enumerate(value) if v is not None and type(v) is not first)

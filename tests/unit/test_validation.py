@@ -217,7 +217,6 @@ N = v.MAX_ITEMS - 64  # elements after the sample, within the list bound
      "messages[0].content"),
     (v.COMPLETIONS, {"prompt": ["a"] * 1_600_000}, "prompt"),  # was valid: a 1.6-million-prompt batch
     (v.GENERATE, {"text": ["a"] * 64 + [7] * 200_000}, "text"),
-    (v.GENERATE, {"input_ids": [1] * (v.MAX_TOKEN_IDS + 1)}, "input_ids"),
     (v.CHAT, {"messages": [OK_MSG], "logit_bias": {str(i): 1 for i in range(500_000)}}, "logit_bias"),
     (v.CHAT, {"messages": [OK_MSG], **{f"x{i}": 1 for i in range(v.MAX_ITEMS)}}, None),
 ])
@@ -232,7 +231,8 @@ def test_huge_malformed_lists_are_rejected_within_the_rejection_bound(endpoint, 
     assert time.monotonic() - t0 < 3.0 and e.param == param, e.message
 
 
-def test_lists_of_token_ids_may_be_as_long_as_a_context_and_other_lists_are_bounded():
+def test_lists_of_token_ids_are_left_to_the_length_limit_and_other_lists_are_bounded():
+    check(v.GENERATE, {"input_ids": [7] * (3 * v.MAX_ITEMS), "sampling_params": {"max_new_tokens": 1}})
     check(v.COMPLETIONS, {"prompt": [[1] * 250] * 4000, "max_tokens": 1})
     check(v.COMPLETIONS, {"prompt": ["a"] * v.MAX_ITEMS, "max_tokens": 1})
     check(v.CHAT, {"messages": MSG, "logit_bias": {str(i): 1 for i in range(VOCAB)}})
