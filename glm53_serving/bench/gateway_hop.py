@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     for side, m in med.items():
         print(f"{side:>12}: ttft p50 {m['ttft']:7.2f} ms, e2e p50 {m['e2e']:7.2f} ms  (rounds: "
               + ", ".join(f"{r['e2e']:.1f}" for r in runs[side]) + ")")
-    for hop in ("via bare hop", "via gateway"):
+    for hop in hop_process:
         print(f"{'added':>12}: {hop}: ttft p50 {med[hop]['ttft'] - med['straight']['ttft']:+.2f} ms, "
               f"e2e p50 {med[hop]['e2e'] - med['straight']['e2e']:+.2f} ms")
     print(f"{'':>12}  the gateway's own, beyond the bare hop: ttft p50 "

@@ -339,14 +339,14 @@ def build_app(cfg: GatewayConfig) -> "GatewayApp":
 class GatewayApp:
     """The ASGI app. Generation and tenant-object POSTs, the requests whose every chunk passes
     through, go straight to their handler; everything else (the other routes, 404, 405, the
-    lifespan) through Starlette, whose routes list them all. Not through Starlette's router and
-    middleware for the streams: their two send wrappers and route matching were on every chunk
-    and request, and their answer to an unexpected error is a text/plain 500; here it is the
-    contract's JSON body."""
+    lifespan) through Starlette, whose routes list them all (the POST handlers are read from
+    them). Not through Starlette's router and middleware for the streams: their two send wrappers
+    and route matching were on every chunk and request, and their answer to an unexpected error
+    is a text/plain 500; here it is the contract's JSON body."""
 
     def __init__(self, gateway: Gateway, starlette: Starlette):
         self.gateway, self.starlette = gateway, starlette
-        self._posts = {p: gateway.generation for p in GENERATION} | {p: gateway.tenant_object for p in TENANT_OBJECTS}
+        self._posts = {r.path: r.endpoint for r in starlette.routes if "POST" in (r.methods or ())}
 
     async def __call__(self, scope, receive, send) -> None:
         handler = self._posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
