@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
+from glm53_serving import env
 from glm53_serving.errors import ClientError
 
 logger = logging.getLogger("glm53_serving")
 
-LIMITS_ENV = "GLM53_DEPLOYMENT_LIMITS"  # JSON of Limits, set by the launcher on every server
-CLIP_ENV = "GLM53_CLIP_OUTPUT"  # "1": clip max_new_tokens to the budget instead of rejecting
 NO_TOTAL_BOUND = 1 << 62
 
 
@@ -71,7 +69,7 @@ class Limits:
         assert self.max_input_tokens > 0, f"no prompt fits: {self}"
 
     @classmethod
-    def of(cls, capacities: Iterable[Capacity]) -> "Limits":
+    def of(cls, capacities: Iterable[Capacity]) -> Limits:
         caps = list(capacities)
         assert caps, "no roles"
         return cls(
@@ -80,29 +78,39 @@ class Limits:
             context_length=min(c.context_length for c in caps),
         )
 
-    def within(self, other: "Limits") -> bool:
+    def within(self, other: Limits) -> bool:
         return self.max_input_tokens <= other.max_input_tokens and self.max_total_tokens <= other.max_total_tokens
 
     def to_env(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_env(cls) -> "Limits | None":
-        raw = os.environ.get(LIMITS_ENV)
+    def from_env(cls) -> Limits | None:
+        raw = env.DEPLOYMENT_LIMITS.get()
         return cls(**json.loads(raw)) if raw else None
+
+
+def clip_output() -> bool:
+    """The deployment clips max_new_tokens to the budget instead of answering 400."""
+    return env.CLIP_OUTPUT.get() == "1"
 
 
 def check(limits: Limits, prompt_tokens: int, max_new_tokens: int | None, clip: bool = False) -> int | None:
     """The admission decision. Returns the max_new_tokens to use (unchanged, or clipped when
     `clip`), or raises ClientError(context_length_exceeded)."""
-    details = {"prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
-               "max_input_tokens": limits.max_input_tokens, "max_total_tokens": limits.max_total_tokens}
+    details = {
+        "prompt_tokens": prompt_tokens,
+        "max_new_tokens": max_new_tokens,
+        "max_input_tokens": limits.max_input_tokens,
+        "max_total_tokens": limits.max_total_tokens,
+    }
     if prompt_tokens >= limits.max_input_tokens:
         raise ClientError(
             "context_length_exceeded",
             f"This deployment accepts prompts of at most {limits.max_input_tokens - 1} tokens; "
             f"the prompt has {prompt_tokens}.",
-            param="messages", details=details,
+            param="messages",
+            details=details,
         )
     if max_new_tokens is not None and prompt_tokens + max_new_tokens > limits.max_total_tokens:
         if clip:
@@ -111,7 +119,8 @@ def check(limits: Limits, prompt_tokens: int, max_new_tokens: int | None, clip: 
             "context_length_exceeded",
             f"This deployment serves at most {limits.max_total_tokens} tokens per request (prompt + output); "
             f"{prompt_tokens} prompt tokens + {max_new_tokens} requested output tokens exceed it.",
-            param="max_tokens", details=details,
+            param="max_tokens",
+            details=details,
         )
     return max_new_tokens
 

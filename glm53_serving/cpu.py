@@ -19,13 +19,18 @@ ENV = {
 
 # Flags for every SGLang server of a CPU topology.
 SERVER_ARGS = (
-    "--device", "cpu",
+    "--device",
+    "cpu",
     # intel_amx needs the real sgl_kernel CPU build; torch_native is plain SDPA.
-    "--attention-backend", "torch_native",
-    "--sampling-backend", "pytorch",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
     # graph capture is a CUDA-graph feature.
-    "--cuda-graph-backend-decode", "disabled",
-    "--cuda-graph-backend-prefill", "disabled",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
 )
 
 # Decode's default retraction backup is a HiCache host pool registered with cudaHostRegister

@@ -68,5 +68,12 @@ class ClientError(ValueError):
         return CONTRACT[self.code][0]
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": CONTRACT[self.code][1], "param": self.param,
-                          "code": self.code, **self.details}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": CONTRACT[self.code][1],
+                "param": self.param,
+                "code": self.code,
+                **self.details,
+            }
+        }

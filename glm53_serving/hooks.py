@@ -14,9 +14,10 @@ constant (HookRegistry wraps callables only).
 from __future__ import annotations
 
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 
 class Kind(str, Enum):
@@ -61,166 +62,226 @@ KV_PARTS = ("zero", "owner", "handoff")  # kv_guard.py, kv_owner.py, kv_handoff.
 HOOKS: tuple[Hook, ...] = (
     # --- start-up handshake: fail closed (glm53_serving/startup.py) -------------------------
     Hook(
-        "sglang.srt.managers.scheduler.Scheduler.get_init_info", Kind.AFTER,
-        "glm53_serving.startup:scheduler_verified_info", ("self",),
+        "sglang.srt.managers.scheduler.Scheduler.get_init_info",
+        Kind.AFTER,
+        "glm53_serving.startup:scheduler_verified_info",
+        ("self",),
         "a scheduler whose hooks did not all apply raises instead of reporting ready, and a "
         "verified one tells the HTTP process so in its init info (and /server_info)",
         guard=False,  # also reports "disabled" when the guards are switched off
     ),
     Hook(
-        "sglang.srt.entrypoints.engine._wait_for_scheduler_ready", Kind.AFTER,
-        "glm53_serving.startup:require_verified_schedulers", ("scheduler_pipe_readers", "scheduler_procs"),
+        "sglang.srt.entrypoints.engine._wait_for_scheduler_ready",
+        Kind.AFTER,
+        "glm53_serving.startup:require_verified_schedulers",
+        ("scheduler_pipe_readers", "scheduler_procs"),
         "the HTTP/tokenizer process refuses to start unless every scheduler verified its hooks "
         "and its own hooks are in place",
         guard=False,
     ),
     # --- admission: one limit, hard 4xx (admission.py, http_guard.py) --------------------------
     Hook(
-        "sglang.srt.entrypoints.http_server.launch_server", Kind.BEFORE,
-        "glm53_serving.http_guard:install_middleware_hook", ("server_args",),
+        "sglang.srt.entrypoints.http_server.launch_server",
+        Kind.BEFORE,
+        "glm53_serving.http_guard:install_middleware_hook",
+        ("server_args",),
         "install the middleware that sends a rejected request's 4xx before any byte of a 200 "
         "(upstream streams /generate rejections under HTTP 200)",
     ),
     # --- request validation: size, schema, domains (request_guard.py, validation.py) ---------
     Hook(
-        "sglang.srt.entrypoints.http_server._setup_and_run_http_server", Kind.BEFORE,
-        "glm53_serving.request_guard:install_hook", ("server_args", "tokenizer_manager"),
+        "sglang.srt.entrypoints.http_server._setup_and_run_http_server",
+        Kind.BEFORE,
+        "glm53_serving.request_guard:install_hook",
+        ("server_args", "tokenizer_manager"),
         "before uvicorn starts: install the body-size limit (413 before reading), the validation "
         "of every generation request before SGLang's handler (upstream crashes on some, 500s or "
         "ignores others), and the contract shape for every 4xx upstream answers itself",
     ),
     Hook(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", Kind.BEFORE,
-        "glm53_serving.intake:validate_request_hook", ("self", "obj", "input_ids"),
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        Kind.BEFORE,
+        "glm53_serving.intake:validate_request_hook",
+        ("self", "obj", "input_ids"),
         "in the HTTP process, before any scheduler sees the request: token ids inside the "
         "vocabulary (upstream crashes), PD routing fields on PD roles (upstream decode crashes), "
         "and the deployment-wide length limit (upstream checks only context_len here)",
     ),
     # --- tenants: owned sessions and requests (tenant_guard.py; route auth is its middleware) --
     Hook(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.open_session", Kind.AROUND,
-        "glm53_serving.tenant_guard:open_session_hook", ("self", "obj", "request"),
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.open_session",
+        Kind.AROUND,
+        "glm53_serving.tenant_guard:open_session_hook",
+        ("self", "obj", "request"),
         "a session belongs to the tenant that opened it (upstream sessions have no owner)",
     ),
     Hook(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.close_session", Kind.BEFORE,
-        "glm53_serving.tenant_guard:close_session_hook", ("self", "obj", "request"),
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.close_session",
+        Kind.BEFORE,
+        "glm53_serving.tenant_guard:close_session_hook",
+        ("self", "obj", "request"),
         "another tenant closing a session gets 404, as for a session that does not exist",
     ),
     Hook(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request", Kind.AROUND,
-        "glm53_serving.tenant_guard:abort_request_hook", ("self", "rid", "abort_all"),
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
+        Kind.AROUND,
+        "glm53_serving.tenant_guard:abort_request_hook",
+        ("self", "rid", "abort_all"),
         "a tenant aborts only its own requests; abort_all is the operator's",
     ),
     # --- KV hygiene: zero before reuse (kv_guard.py) ----------------------------------------
     Hook(
-        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc", Kind.AFTER,
-        "glm53_serving.kv_guard:zero_after_alloc", ("self", "need_size"),
-        "page size 1: every slot handed out reads zeros until its request writes it", part="zero",
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc",
+        Kind.AFTER,
+        "glm53_serving.kv_guard:zero_after_alloc",
+        ("self", "need_size"),
+        "page size 1: every slot handed out reads zeros until its request writes it",
+        part="zero",
     ),
     Hook(
-        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc", Kind.AFTER,
-        "glm53_serving.kv_guard:zero_after_alloc", ("self", "need_size"),
-        "paged pools: plain allocations (decode pre-allocation, chunked prefill) read zeros", part="zero",
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc",
+        Kind.AFTER,
+        "glm53_serving.kv_guard:zero_after_alloc",
+        ("self", "need_size"),
+        "paged pools: plain allocations (decode pre-allocation, chunked prefill) read zeros",
+        part="zero",
     ),
     Hook(
-        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend", Kind.AFTER,
-        "glm53_serving.kv_guard:zero_after_alloc", ("self", "prefix_lens", "prefix_lens_cpu", "seq_lens"),
-        "paged pools: prefill extension slots read zeros", part="zero",
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend",
+        Kind.AFTER,
+        "glm53_serving.kv_guard:zero_after_alloc",
+        ("self", "prefix_lens", "prefix_lens_cpu", "seq_lens"),
+        "paged pools: prefill extension slots read zeros",
+        part="zero",
     ),
     Hook(
-        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode", Kind.AFTER,
-        "glm53_serving.kv_guard:zero_after_alloc", ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
-        "paged pools: each decode step's new slot reads zeros", part="zero",
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode",
+        Kind.AFTER,
+        "glm53_serving.kv_guard:zero_after_alloc",
+        ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
+        "paged pools: each decode step's new slot reads zeros",
+        part="zero",
     ),
     Hook(
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc", Kind.AFTER,
-        "glm53_serving.kv_guard:publish_after_zeroing", ("self", "req"),
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc",
+        Kind.AFTER,
+        "glm53_serving.kv_guard:publish_after_zeroing",
+        ("self", "req"),
         "PD decode: the destination is tagged with the request's owner (if that part is on) and "
         "the zero fills complete before its page indices go to prefill",
     ),
     # --- KV owner tags, checked before every read (kv_owner.py) -----------------------------
     Hook(
-        "sglang.srt.mem_cache.allocation.alloc_for_extend", Kind.AFTER,
-        "glm53_serving.kv_owner:tag_and_check_extend", ("batch",),
+        "sglang.srt.mem_cache.allocation.alloc_for_extend",
+        Kind.AFTER,
+        "glm53_serving.kv_owner:tag_and_check_extend",
+        ("batch",),
         "extend batch build: the new slots take the request's namespace, then every row of the "
         "batch is checked to hold only its own namespace's pages before the forward reads it",
         part="owner",
     ),
     Hook(
-        "sglang.srt.mem_cache.allocation.alloc_for_decode", Kind.AFTER,
-        "glm53_serving.kv_owner:tag_and_check_decode", ("batch", "token_per_req"),
+        "sglang.srt.mem_cache.allocation.alloc_for_decode",
+        Kind.AFTER,
+        "glm53_serving.kv_owner:tag_and_check_decode",
+        ("batch", "token_per_req"),
         "decode batch build (in PD also the first step after a transfer): tag the new slot, "
         "check every row before the forward reads it",
         part="owner",
     ),
     Hook(
-        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free", Kind.AFTER,
-        "glm53_serving.kv_owner:reset_after_free", ("self", "free_index"),
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free",
+        Kind.AFTER,
+        "glm53_serving.kv_owner:reset_after_free",
+        ("self", "free_index"),
         "page size 1: a freed slot has no owner (every free path ends here)",
         part="owner",
     ),
     Hook(
-        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", Kind.AFTER,
-        "glm53_serving.kv_owner:reset_after_release", ("self",),
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids",
+        Kind.AFTER,
+        "glm53_serving.kv_owner:reset_after_release",
+        ("self",),
         "paged pools: a freed page has no owner (free, free_page_ids and free groups end here)",
         part="owner",
     ),
     Hook(
-        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear", Kind.AFTER,
-        "glm53_serving.kv_owner:reset_after_clear", ("self",),
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear",
+        Kind.AFTER,
+        "glm53_serving.kv_owner:reset_after_clear",
+        ("self",),
         "page size 1: after a cache flush every slot is free and unowned",
         part="owner",
     ),
     Hook(
-        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear", Kind.AFTER,
-        "glm53_serving.kv_owner:reset_after_clear", ("self",),
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear",
+        Kind.AFTER,
+        "glm53_serving.kv_owner:reset_after_clear",
+        ("self",),
         "paged pools: after a cache flush every page is free and unowned",
         part="owner",
     ),
     Hook(
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.kv_status_msg_carries_reason",
-        Kind.ATTR, None, (),
+        Kind.ATTR,
+        None,
+        (),
         "PD: prefill fails the transfer of a request its owner check aborted (kv_owner._tell_decode) "
         "and decode answers with that reason (kv_isolation_violation); Mooncake's status message "
         "drops the reason unless asked (NIXL and Mori carry it)",
-        value=True, process="scheduler", part="owner",
+        value=True,
+        process="scheduler",
+        part="owner",
     ),
     # --- PD handoff length check (kv_handoff.py) --------------------------------------------
     Hook(
-        "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf", Kind.AFTER,
-        "glm53_serving.kv_handoff:carry_prompt_length", ("self", "req"),
+        "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf",
+        Kind.AFTER,
+        "glm53_serving.kv_handoff:carry_prompt_length",
+        ("self", "req"),
         "PD prefill: carry the prompt length it sent KV for in a spare metadata slot",
         part="handoff",
     ),
     Hook(
-        "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", Kind.AFTER,
-        "glm53_serving.kv_handoff:check_prompt_length", ("self", "decode_req"),
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+        Kind.AFTER,
+        "glm53_serving.kv_handoff:check_prompt_length",
+        ("self", "decode_req"),
         "PD decode: abort a request whose transfer did not cover exactly the pages pre-allocated "
         "for its prompt, before its first decode step",
         part="handoff",
     ),
     # --- the HTTP side of a KV abort (http_guard.py) ----------------------------------------
     Hook(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_abort_finish_reason", Kind.BEFORE,
-        "glm53_serving.http_guard:contract_abort_hook", ("self", "out", "state", "is_stream"),
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_abort_finish_reason",
+        Kind.BEFORE,
+        "glm53_serving.http_guard:contract_abort_hook",
+        ("self", "out", "state", "is_stream"),
         "a scheduler abort with one of our KV codes becomes the contract's 500 body (upstream "
         "sends its own body, or an error inside a 200 stream)",
     ),
     # --- CPU development stack only (glm53_serving/cpu.py) ----------------------------------
     Hook(
-        "sglang.srt.managers.scheduler.Scheduler.__init__", Kind.BEFORE,
-        "glm53_serving.cpu:apply_scheduler_attrs", ("self", "server_args"),
+        "sglang.srt.managers.scheduler.Scheduler.__init__",
+        Kind.BEFORE,
+        "glm53_serving.cpu:apply_scheduler_attrs",
+        ("self", "server_args"),
         "set the ATTR rows below in scheduler processes only: importing the Mooncake module in "
         "the HTTP process would import prometheus_client before SGLang sets multiprocess mode",
-        guard=False, cpu_only=True,
+        guard=False,
+        cpu_only=True,
     ),
     Hook(
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices",
-        Kind.ATTR, None, (),
+        Kind.ATTR,
+        None,
+        (),
         "prefill's host-index send path allocates pin_memory tensors and a torch.cuda.Event "
         "(disaggregation/prefill.py _send_kv_chunk), which needs a CUDA driver",
-        guard=False, cpu_only=True, value=False, process="scheduler",
+        guard=False,
+        cpu_only=True,
+        value=False,
+        process="scheduler",
     ),
 )
 
@@ -228,8 +289,7 @@ HOOKS: tuple[Hook, ...] = (
 def active_hooks(*, cpu: bool, guards: bool, parts_off: frozenset[str] = frozenset()) -> tuple[Hook, ...]:
     """The rows that apply to a process on this platform with guards on or off and the KV guard
     parts in `parts_off` switched off."""
-    return tuple(h for h in HOOKS if (cpu or not h.cpu_only) and (guards or not h.guard)
-                 and h.part not in parts_off)
+    return tuple(h for h in HOOKS if (cpu or not h.cpu_only) and (guards or not h.guard) and h.part not in parts_off)
 
 
 def _split(target: str) -> tuple[Any, str]:

@@ -51,8 +51,13 @@ def reject(error: ClientError, reason: str) -> None:
 async def send_json(send, status: int, body: dict) -> None:
     """One complete JSON response (every response our middlewares answer themselves)."""
     raw = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": raw, "more_body": False})
 
 

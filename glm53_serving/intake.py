@@ -13,9 +13,7 @@ fields kills the decode server (AttributeError in `_bootstrap_addr`).
 
 from __future__ import annotations
 
-import os
-
-from glm53_serving import admission, http_guard, tenant_guard, validation
+from glm53_serving import admission, env, http_guard, tenant_guard, validation
 from glm53_serving.errors import ClientError
 
 
@@ -25,23 +23,27 @@ def check_token_ids(input_ids, vocab_size: int) -> None:
     lo, hi = min(input_ids), max(input_ids)
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise ClientError("invalid_request_error",
-                          f"input_ids contains token id {bad}, outside this model's vocabulary [0, {vocab_size}).",
-                          param="input_ids", details={"vocab_size": vocab_size})
+        raise ClientError(
+            "invalid_request_error",
+            f"input_ids contains token id {bad}, outside this model's vocabulary [0, {vocab_size}).",
+            param="input_ids",
+            details={"vocab_size": vocab_size},
+        )
 
 
-TRUSTED_BOOTSTRAP_ENV = "GLM53_PREFILL_BOOTSTRAP"  # "host:port,..." of the deployment's prefill servers
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils: decode skips the transfer
 
 
 def trusted_bootstrap() -> frozenset[tuple[str, int]] | None:
-    raw = os.environ.get(TRUSTED_BOOTSTRAP_ENV)
+    raw = env.PREFILL_BOOTSTRAP.get()
     if raw is None:
         return None
     return frozenset((h, int(p)) for h, _, p in (e.strip().rpartition(":") for e in raw.split(",") if e.strip()))
 
 
-def check_pd_routing(role: str, bootstrap_host, bootstrap_room, bootstrap_port=None, *, privileged: bool = False) -> None:
+def check_pd_routing(
+    role: str, bootstrap_host, bootstrap_room, bootstrap_port=None, *, privileged: bool = False
+) -> None:
     """A PD role serves only requests its own router paired: bootstrap fields set (upstream
     crashes the decode server without them) and naming one of the deployment's prefill servers.
     The fake bootstrap host (decode skips the transfer and decodes over pages nothing wrote) is
@@ -49,19 +51,27 @@ def check_pd_routing(role: str, bootstrap_host, bootstrap_room, bootstrap_port=N
     if role not in ("prefill", "decode"):
         return
     if bootstrap_host is None or bootstrap_room is None:
-        raise ClientError("invalid_request_error",
-                          f"This is a PD {role} server: it serves only requests routed by its deployment "
-                          "(bootstrap_host and bootstrap_room missing). Send requests to the gateway.",
-                          param="bootstrap_host")
+        raise ClientError(
+            "invalid_request_error",
+            f"This is a PD {role} server: it serves only requests routed by its deployment "
+            "(bootstrap_host and bootstrap_room missing). Send requests to the gateway.",
+            param="bootstrap_host",
+        )
     if bootstrap_host == FAKE_BOOTSTRAP_HOST:
         if not privileged:
-            raise ClientError("permission_denied", "The fake bootstrap host is reserved for the server's own "
-                              "health checks.", param="bootstrap_host")
+            raise ClientError(
+                "permission_denied",
+                "The fake bootstrap host is reserved for the server's own health checks.",
+                param="bootstrap_host",
+            )
         return
     trusted = trusted_bootstrap()
     if trusted is None or (str(bootstrap_host), int(bootstrap_port or 0)) not in trusted:
-        raise ClientError("permission_denied", f"{bootstrap_host}:{bootstrap_port} is not a prefill server of this "
-                          "deployment.", param="bootstrap_host")
+        raise ClientError(
+            "permission_denied",
+            f"{bootstrap_host}:{bootstrap_port} is not a prefill server of this deployment.",
+            param="bootstrap_host",
+        )
 
 
 def _privileged() -> bool:
@@ -72,12 +82,6 @@ def _privileged() -> bool:
     return http_guard.current_path() in ("/health", "/health_generate")
 
 
-def _role() -> str:
-    from sglang.srt.runtime_context import get_disagg
-
-    return {"prefill": "prefill", "decode": "decode"}.get(get_disagg().disaggregation_mode or "null", "single")
-
-
 def validate_request_hook(self, obj, input_ids, *args, **kwargs):
     """BEFORE TokenizerManager._validate_one_request: runs after tokenization, before the
     request is sent to the scheduler."""
@@ -86,19 +90,25 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
         if limits is None:  # cannot happen after start-up (startup.py sets it); fail closed anyway
             raise ClientError("context_length_exceeded", "admission limits are not initialised; refusing")
         check_token_ids(input_ids, self.model_config.vocab_size)
-        validation.check_tokenized(input_ids, getattr(obj, "top_logprobs_num", None),
-                                   self.model_config.vocab_size, http_guard.current_path())
+        validation.check_tokenized(
+            input_ids, getattr(obj, "top_logprobs_num", None), self.model_config.vocab_size, http_guard.current_path()
+        )
         params = getattr(obj, "sampling_params", None)
         if not isinstance(params, dict):  # embedding requests: prompt bound only
             params = {}
         requested = params.get("max_new_tokens")
         # Length before routing: a request too long for the deployment is answered as such on
         # every role, whichever way it arrived.
-        allowed = admission.check(limits, len(input_ids) if input_ids is not None else 0, requested,
-                                  clip=os.environ.get(admission.CLIP_ENV) == "1")
+        allowed = admission.check(
+            limits,
+            len(input_ids) if input_ids is not None else 0,
+            requested,
+            clip=admission.clip_output(),
+        )
         if hasattr(obj, "bootstrap_host"):  # generation requests (embeddings carry no routing)
-            check_pd_routing(_role(), obj.bootstrap_host, obj.bootstrap_room, obj.bootstrap_port,
-                             privileged=_privileged())
+            check_pd_routing(
+                env.role(), obj.bootstrap_host, obj.bootstrap_room, obj.bootstrap_port, privileged=_privileged()
+            )
             tenant_guard.namespace_request(obj)
     except ClientError as e:
         http_guard.reject(e, reason=e.code if e.code != "invalid_request_error" else f"invalid_{e.param}")

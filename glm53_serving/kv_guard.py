@@ -29,8 +29,11 @@ from glm53_serving.metrics import LazyCounter
 SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
 # Pool layouts whose layer buffers are indexed by token slot on dim 0 (DSA's indexer cache,
 # indexed by page, is zeroed by _zero_indexer).
-SUPPORTED_POOLS = {"MHATokenToKVPool": ("k_buffer", "v_buffer"), "MLATokenToKVPool": ("kv_buffer",),
-                   "DSATokenToKVPool": ("kv_buffer",)}
+SUPPORTED_POOLS = {
+    "MHATokenToKVPool": ("k_buffer", "v_buffer"),
+    "MLATokenToKVPool": ("kv_buffer",),
+    "DSATokenToKVPool": ("kv_buffer",),
+}
 
 ZEROED = LazyCounter("glm53_kv_zeroed_slots", "KV slots zeroed before reuse")
 
@@ -72,9 +75,17 @@ def _fill_targets(pool) -> list[tuple[torch.Tensor, int]]:
 
 def _halves_of_one(k: torch.Tensor, v: torch.Tensor) -> bool:
     base = k._base
-    return (base is not None and v._base is base and base.is_contiguous() and base.dim() == k.dim() + 1
-            and base.shape[0] == 2 and base.shape[2:] == k.shape[1:] and base.shape[1] >= k.shape[0]
-            and k.data_ptr() == base[0].data_ptr() and v.data_ptr() == base[1].data_ptr())
+    return (
+        base is not None
+        and v._base is base
+        and base.is_contiguous()
+        and base.dim() == k.dim() + 1
+        and base.shape[0] == 2
+        and base.shape[2:] == k.shape[1:]
+        and base.shape[1] >= k.shape[0]
+        and k.data_ptr() == base[0].data_ptr()
+        and v.data_ptr() == base[1].data_ptr()
+    )
 
 
 MAX_RUNS_AS_SLICES = 4  # an allocation in at most this many contiguous runs is zeroed slice by slice
@@ -130,7 +141,7 @@ def _as_words(buf: torch.Tensor, lead: int = 0) -> torch.Tensor:
     stores); else `buf` itself."""
     if not buf.is_contiguous():
         return buf
-    rows = buf.view(*buf.shape[:lead + 1], -1)
+    rows = buf.view(*buf.shape[: lead + 1], -1)
     if (rows.shape[-1] * rows.element_size()) % 8 == 0:
         return rows.view(torch.int64)
     return rows
@@ -160,23 +171,31 @@ def allocator_problems(allocator) -> list[str]:
     """Why this scheduler's allocator cannot be guarded (empty: it can)."""
     name = type(allocator).__name__
     if name not in SUPPORTED_ALLOCATORS:
-        return [f"kv_guard does not support the {name} allocator (supported: {', '.join(SUPPORTED_ALLOCATORS)}); "
-                "serving without zero-before-reuse is refused"]
+        return [
+            f"kv_guard does not support the {name} allocator (supported: {', '.join(SUPPORTED_ALLOCATORS)}); "
+            "serving without zero-before-reuse is refused"
+        ]
     pool = allocator.get_kvcache()
     if type(pool).__name__ not in SUPPORTED_POOLS:
-        return [f"kv_guard cannot zero the {type(pool).__name__} KV pool (supported: {', '.join(SUPPORTED_POOLS)}); "
-                "serving without zero-before-reuse is refused"]
+        return [
+            f"kv_guard cannot zero the {type(pool).__name__} KV pool (supported: {', '.join(SUPPORTED_POOLS)}); "
+            "serving without zero-before-reuse is refused"
+        ]
     # zero_slots indexes rows by token slot: a layout that leads with pages (SGLANG_USE_HND_KVCACHE,
     # AITER's vectorized_5d) would zero other rows, and a quantized pool keeps per-slot scales
     # in buffers this module does not know.
     slots = pool.size + pool.page_size
     if getattr(pool, "is_quantized_kv_cache", False):
-        return [f"kv_guard cannot zero a quantized {type(pool).__name__} (scale buffers); "
-                "serving without zero-before-reuse is refused"]
+        return [
+            f"kv_guard cannot zero a quantized {type(pool).__name__} (scale buffers); "
+            "serving without zero-before-reuse is refused"
+        ]
     bad = sorted({tuple(b.shape) for b in layer_buffers(pool) if b.shape[0] != slots})
     if bad:
-        return [f"kv_guard needs KV buffers indexed by token slot ({slots} rows; layout "
-                f"{getattr(pool, 'kv_cache_layout', '?')!r} has shapes {bad}); serving without zero-before-reuse is refused"]
+        return [
+            f"kv_guard needs KV buffers indexed by token slot ({slots} rows; layout "
+            f"{getattr(pool, 'kv_cache_layout', '?')!r} has shapes {bad}); serving without zero-before-reuse is refused"
+        ]
     return index_problems(pool) if type(pool).__name__ == "DSATokenToKVPool" else []
 
 
@@ -186,13 +205,20 @@ def index_problems(pool) -> list[str]:
 
     p, refuse = pool.page_size, "; serving without zero-before-reuse is refused"
     if index_key_cache._use_aiter_preshuffle or pool.index_kpool != 1 or pool.index_page_size != p:
-        return [f"kv_guard zeroes the DSA indexer cache in its plain layout only (index_kpool "
-                f"{pool.index_kpool}, index page {pool.index_page_size} of {p}, AITER preshuffle "
-                f"{index_key_cache._use_aiter_preshuffle})" + refuse]
+        return [
+            f"kv_guard zeroes the DSA indexer cache in its plain layout only (index_kpool "
+            f"{pool.index_kpool}, index page {pool.index_page_size} of {p}, AITER preshuffle "
+            f"{index_key_cache._use_aiter_preshuffle})" + refuse
+        ]
     row = p * (pool.index_head_dim + pool.index_head_dim // pool.quant_block_size * 4)
     pages = (pool.size + p) // p
-    bad = sorted({tuple(b.shape) for b in pool.index_key_cache.buffer
-                  if b.shape[0] and (b.shape[0] < pages or b.shape[1] != row or not b.is_contiguous())})
+    bad = sorted(
+        {
+            tuple(b.shape)
+            for b in pool.index_key_cache.buffer
+            if b.shape[0] and (b.shape[0] < pages or b.shape[1] != row or not b.is_contiguous())
+        }
+    )
     if bad:
         return [f"kv_guard expects DSA indexer rows of {row} bytes for {pages} pages, found {bad}" + refuse]
     return []

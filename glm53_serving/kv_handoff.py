@@ -57,12 +57,20 @@ def check_prompt_length(result, self, decode_req, *args, **kwargs):
         return result
     expected = expected_length(req)
     if carried != expected:
-        logger.error("glm53_serving PD handoff length mismatch: request %s, prefill sent KV for %d prompt tokens, "
-                     "decode pre-allocated %d. Aborting this request before decoding.", req.rid, carried, expected)
+        logger.error(
+            "glm53_serving PD handoff length mismatch: request %s, prefill sent KV for %d prompt tokens, "
+            "decode pre-allocated %d. Aborting this request before decoding.",
+            req.rid,
+            carried,
+            expected,
+        )
         VIOLATIONS.inc(where="handoff")
-        prepare_abort(req, f"{KV_HANDOFF_MESSAGE} prefill sent KV for {carried} prompt tokens, decode expected "
-                           f"{expected}; the request was aborted before decoding.",
-                      status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+        prepare_abort(
+            req,
+            f"{KV_HANDOFF_MESSAGE} prefill sent KV for {carried} prompt tokens, decode expected "
+            f"{expected}; the request was aborted before decoding.",
+            status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+        )
         req.finished_reason.err_type = MISMATCH_CODE
         req.skip_radix_cache_insert = True
     return result

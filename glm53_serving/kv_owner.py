@@ -49,8 +49,9 @@ FREE = 0
 VIOLATION_CODE = "kv_isolation_violation"  # FINISH_ABORT.err_type; http_guard maps it to the contract
 
 CHECKED = LazyCounter("glm53_kv_owner_checked_requests", "Request rows owner-checked before a forward pass")
-VIOLATIONS = LazyCounter("glm53_kv_isolation_violations", "Requests aborted: their KV row held pages of another owner",
-                         ("where",))
+VIOLATIONS = LazyCounter(
+    "glm53_kv_isolation_violations", "Requests aborted: their KV row held pages of another owner", ("where",)
+)
 QUARANTINED = LazyCounter("glm53_kv_quarantined_slots", "Row positions redirected after an isolation violation")
 
 _TAGS = "_glm53_owner_tags"
@@ -58,12 +59,12 @@ _TAGS = "_glm53_owner_tags"
 
 # --- owner ids ------------------------------------------------------------------------------
 
+
 def namespace_id(cache_salt, extra_key) -> int:
     """Stable non-zero 63-bit id of a cache namespace (the same pair the radix key uses)."""
     if cache_salt is None and extra_key is None:
         return DEFAULT_NAMESPACE
-    digest = hashlib.blake2b(repr((cache_salt, extra_key)).encode(), digest_size=8,
-                             person=b"glm53-kv-owner").digest()
+    digest = hashlib.blake2b(repr((cache_salt, extra_key)).encode(), digest_size=8, person=b"glm53-kv-owner").digest()
     ns = int.from_bytes(digest, "little") & ((1 << 63) - 1)
     return ns if ns > DEFAULT_NAMESPACE else ns + 2  # 0 is "free", 1 the default namespace
 
@@ -81,6 +82,7 @@ def _cached_owner(req) -> int:
 
 
 # --- the tag table --------------------------------------------------------------------------
+
 
 def tags_of(allocator) -> torch.Tensor:
     """The allocator's owner tags, one int64 per page (index 0: the padding page), created free."""
@@ -113,8 +115,9 @@ def release(allocator, pages: torch.Tensor) -> None:
         tags[pages] = FREE
 
 
-def foreign(allocator, req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, max_len: int,
-            owners: torch.Tensor) -> torch.Tensor:
+def foreign(
+    allocator, req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, max_len: int, owners: torch.Tensor
+) -> torch.Tensor:
     """(batch, max_len) bool: positions < len whose page is not tagged with the row's owner.
 
     Positions at or beyond a row's length are masked out before anything depends on them:
@@ -127,6 +130,7 @@ def foreign(allocator, req_to_token: torch.Tensor, rows: torch.Tensor, lens: tor
 
 
 # --- hooks ----------------------------------------------------------------------------------
+
 
 def _owners(reqs, device) -> torch.Tensor:
     return torch.tensor([_cached_owner(r) for r in reqs], dtype=torch.int64).to(device, non_blocking=True)
@@ -144,8 +148,11 @@ def tag_and_check_extend(result, batch, *args, **kwargs):
     allocator = _allocator(batch)
     owners = _owners(batch.reqs, out_cache_loc.device)
     extend_lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
-    claim(allocator, out_cache_loc,
-          torch.repeat_interleave(owners, extend_lens.to(owners.device), output_size=out_cache_loc.numel()))
+    claim(
+        allocator,
+        out_cache_loc,
+        torch.repeat_interleave(owners, extend_lens.to(owners.device), output_size=out_cache_loc.numel()),
+    )
     new = _Fresh(starts=batch.prefix_lens, slots=out_cache_loc, offsets=_offsets(extend_lens))
     check_batch(batch, rows, batch.seq_lens, int(batch.seq_lens_cpu.max()), owners, new, where="extend")
     return result
@@ -161,8 +168,15 @@ def tag_and_check_decode(result, batch, token_per_req, *args, **kwargs):
     owners = _owners(batch.reqs, out_cache_loc.device)
     claim(allocator, out_cache_loc, owners if token_per_req == 1 else owners.repeat_interleave(token_per_req))
     new = _Fresh(starts=batch.seq_lens_cpu, slots=out_cache_loc, offsets=range(0, 1 << 62, token_per_req))
-    check_batch(batch, batch.req_pool_indices, batch.seq_lens + token_per_req,
-                int(batch.seq_lens_cpu.max()) + token_per_req, owners, new, where="decode")
+    check_batch(
+        batch,
+        batch.req_pool_indices,
+        batch.seq_lens + token_per_req,
+        int(batch.seq_lens_cpu.max()) + token_per_req,
+        owners,
+        new,
+        where="decode",
+    )
     return result
 
 
@@ -178,7 +192,7 @@ class _Fresh:
         self.starts, self.slots, self.offsets = starts, slots, offsets
 
     def of(self, i: int) -> tuple[int, torch.Tensor]:
-        return int(self.starts[i]), self.slots[self.offsets[i]: self.offsets[i + 1]]
+        return int(self.starts[i]), self.slots[self.offsets[i] : self.offsets[i + 1]]
 
 
 def tag_prealloc(kv_loc, queue, req, *args, **kwargs):
@@ -212,8 +226,10 @@ def reset_after_clear(result, self, *args, **kwargs):
 
 # --- the check and what a violation does -----------------------------------------------------
 
-def check_batch(batch, rows: torch.Tensor, lens: torch.Tensor, max_len: int, owners: torch.Tensor,
-                new: _Fresh, *, where: str):
+
+def check_batch(
+    batch, rows: torch.Tensor, lens: torch.Tensor, max_len: int, owners: torch.Tensor, new: _Fresh, *, where: str
+):
     if max_len <= 0:
         return
     allocator = _allocator(batch)
@@ -230,8 +246,9 @@ def check_batch(batch, rows: torch.Tensor, lens: torch.Tensor, max_len: int, own
         quarantine(batch, batch.reqs[i], int(rows[i]), torch.nonzero(bad[i]).flatten(), *new.of(i), where=where)
 
 
-def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, new_slots: torch.Tensor, *,
-               where: str) -> None:
+def quarantine(
+    batch, req, row: int, positions: torch.Tensor, new_start: int, new_slots: torch.Tensor, *, where: str
+) -> None:
     """Abort `req` alone and make its row safe to read and to free.
 
     The forward this batch is about to run still carries the request (SGLang's "abort method
@@ -256,8 +273,15 @@ def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, ne
     logger.error(
         "glm53_serving KV isolation violation (%s): request %s of namespace %d would read %d slot(s) it does "
         "not own: positions %s, slots %s, pages %s, owners %s. Aborting this request only.",
-        where, req.rid, ns, positions.numel(), positions[:16].tolist(), slots[:16].tolist(),
-        (slots[:16] // p).tolist(), tags[slots[:16] // p].tolist())
+        where,
+        req.rid,
+        ns,
+        positions.numel(),
+        positions[:16].tolist(),
+        slots[:16].tolist(),
+        (slots[:16] // p).tolist(),
+        tags[slots[:16] // p].tolist(),
+    )
     VIOLATIONS.inc(where=where)
     QUARANTINED.inc(int(positions.numel()))
 
@@ -268,8 +292,14 @@ def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, ne
     # What is still foreign (older positions, or a fresh slot continuing a foreign page) is
     # redirected a whole page at a time: paged kernels read a logical page as one physical page.
     n = int(positions.max()) + 1
-    still = foreign(allocator, r2t, torch.tensor([row], device=r2t.device), torch.tensor([n], device=r2t.device), n,
-                    torch.tensor([ns], device=r2t.device))[0]
+    still = foreign(
+        allocator,
+        r2t,
+        torch.tensor([row], device=r2t.device),
+        torch.tensor([n], device=r2t.device),
+        n,
+        torch.tensor([ns], device=r2t.device),
+    )[0]
     # A position on a page this allocation took from the free list holds the allocator's own
     # slot again: zeroed at allocation, freed with the request, readable whatever its tag says.
     fresh_from = new_start + (-new_start) % p  # first page boundary inside the new positions
@@ -277,13 +307,15 @@ def quarantine(batch, req, row: int, positions: torch.Tensor, new_start: int, ne
     pages = sorted({q // p for q in torch.nonzero(still).flatten().tolist() if not fresh_from <= q < fresh_to})
     protected = int(getattr(req.kv, "cache_protected_len", None) or 0)
     for lp in (lp for lp in pages if lp * p < protected):
-        r2t[row, lp * p: lp * p + p] = torch.arange(p, dtype=r2t.dtype, device=r2t.device)
+        r2t[row, lp * p : lp * p + p] = torch.arange(p, dtype=r2t.dtype, device=r2t.device)
     own_pages = [lp for lp in pages if lp * p >= protected]
     if own_pages:
         _redirect_to_fresh(batch, req, row, own_pages, ns)
 
-    message = (f"{KV_ISOLATION_MESSAGE} this request's KV cache row referenced pages of another owner; "
-               "it was aborted before any of its output was returned.")
+    message = (
+        f"{KV_ISOLATION_MESSAGE} this request's KV cache row referenced pages of another owner; "
+        "it was aborted before any of its output was returned."
+    )
     req._glm53_quarantined = True
     req.skip_radix_cache_insert = True
     req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, VIOLATION_CODE)
@@ -304,8 +336,9 @@ def _tell_decode(req, message: str) -> None:
 
 
 def _redirect_to_fresh(batch, req, row: int, logical_pages: list[int], ns: int) -> None:
-    from glm53_serving import kv_guard  # imports this module
     from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    from glm53_serving import kv_guard  # imports this module
 
     allocator = _allocator(batch)
     p = allocator.page_size
@@ -313,13 +346,15 @@ def _redirect_to_fresh(batch, req, row: int, logical_pages: list[int], ns: int) 
     evict_from_tree_cache(batch.tree_cache, need)
     fresh = allocator.alloc(need)
     if fresh is None:  # fail closed: no way to run the batch without the foreign read
-        raise RuntimeError(f"glm53_serving: no KV pages left to quarantine request {req.rid}; refusing to "
-                           "run a forward that would read another owner's KV")
+        raise RuntimeError(
+            f"glm53_serving: no KV pages left to quarantine request {req.rid}; refusing to "
+            "run a forward that would read another owner's KV"
+        )
     kv_guard.zero_slots(allocator.get_kvcache(), fresh)  # zero even with the "zero" part off
     claim(allocator, fresh, torch.full((need,), ns, dtype=torch.int64, device=fresh.device))
     r2t = batch.req_to_token_pool.req_to_token
     for k, lp in enumerate(logical_pages):
-        r2t[row, lp * p: lp * p + p] = fresh[k * p: k * p + p].to(r2t.dtype)
+        r2t[row, lp * p : lp * p + p] = fresh[k * p : k * p + p].to(r2t.dtype)
 
 
 def allocator_problems(allocator) -> list[str]:
@@ -334,8 +369,10 @@ def allocator_problems(allocator) -> list[str]:
         if getattr(schedule_batch, name) is not getattr(allocation, name):
             problems.append(f"ScheduleBatch calls an unhooked {name}: KV owner tags would not be set")
     if get_spec().speculative_algorithm is not None:
-        problems.append("KV owner tags are not set on speculative decoding's allocation path "
-                        "(alloc_for_spec_decode); serving with speculative decoding is refused")
+        problems.append(
+            "KV owner tags are not set on speculative decoding's allocation path "
+            "(alloc_for_spec_decode); serving with speculative decoding is refused"
+        )
     try:
         tags = tags_of(allocator)
         assert tags.dtype == torch.int64 and tags.numel() == allocator.size // allocator.page_size + 1

@@ -22,16 +22,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import psutil
 
-from glm53_serving import tenants
-from glm53_serving.intake import TRUSTED_BOOTSTRAP_ENV
+from glm53_serving import env, tenants
 from glm53_serving.topology import Topology, default_config_path, free_port, shell_line
 
 LOG_TAIL_LINES = 60
@@ -86,8 +85,13 @@ class Supervisor:
         (self.run_dir / f"{child.name}.cmd").write_text(shell_line(child.argv, child.env) + "\n")
         with child.log.open("ab") as log:
             child.proc = subprocess.Popen(
-                child.argv, env={**os.environ, **child.env}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                child.argv,
+                env={**os.environ, **child.env},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         self.children.append(child)
         say(f"started {child.name} (pid {child.proc.pid}), log {child.log}")
@@ -141,6 +145,7 @@ class Supervisor:
 
 # --- readiness probes -------------------------------------------------------------------------
 
+
 def _get_ok(child: Child, client: httpx.Client, path: str, timeout: float = 5) -> httpx.Response | None:
     """The response if `path` answers 200; otherwise None, with what it said in child.note."""
     try:
@@ -166,8 +171,10 @@ def server_probe(child: Child, client: httpx.Client) -> bool:
     if not status.get("active"):
         say(f"WARNING: {child.name} runs with glm53_serving guards DISABLED ({status.get('disabled_by')})")
     elif (status.get("tenants") == "enforced") != (tenants.KEY_FILE_ENV in child.env):
-        raise LaunchError(f"{child.name}: tenants {status.get('tenants')!r} on the server, but the deployment "
-                          f"{'has' if tenants.KEY_FILE_ENV in child.env else 'has no'} tenants. Refusing to serve.")
+        raise LaunchError(
+            f"{child.name}: tenants {status.get('tenants')!r} on the server, but the deployment "
+            f"{'has' if tenants.KEY_FILE_ENV in child.env else 'has no'} tenants. Refusing to serve."
+        )
     return True
 
 
@@ -188,8 +195,13 @@ def gateway_probe(child: Child, client: httpx.Client) -> bool:
     return _get_ok(child, client, "/health", timeout=30) is not None
 
 
-def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client], bool]], t0: float, timeout_s: float,
-               headers: Callable[[], dict[str, str]] = dict) -> None:
+def wait_ready(
+    sup: Supervisor,
+    pending: dict[str, Callable[[Child, httpx.Client], bool]],
+    t0: float,
+    timeout_s: float,
+    headers: Callable[[], dict[str, str]] = dict,
+) -> None:
     by_name = {c.name: c for c in sup.children}
     last_progress = time.monotonic()
     with httpx.Client() as client:
@@ -205,8 +217,13 @@ def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client
                 return
             now = time.monotonic()
             if now - t0 > timeout_s:
-                raise LaunchError(f"not ready after {timeout_s:.0f} s: " + ", ".join(
-                    f"{n} ({by_name[n].note}); last lines of {by_name[n].log}:\n{by_name[n].tail(20)}" for n in pending))
+                raise LaunchError(
+                    f"not ready after {timeout_s:.0f} s: "
+                    + ", ".join(
+                        f"{n} ({by_name[n].note}); last lines of {by_name[n].log}:\n{by_name[n].tail(20)}"
+                        for n in pending
+                    )
+                )
             if now - last_progress >= PROGRESS_EVERY_S:
                 say(f"waiting {now - t0:.0f} s: " + ", ".join(f"{n} ({by_name[n].note})" for n in pending))
                 last_progress = now
@@ -215,14 +232,19 @@ def wait_ready(sup: Supervisor, pending: dict[str, Callable[[Child, httpx.Client
 
 def smoke_generate(client_url: str, headers: dict[str, str]) -> list[int]:
     """One real greedy generation through the client URL."""
-    r = httpx.post(f"{client_url}/generate", timeout=120, headers=headers, json={
-        "text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    r = httpx.post(
+        f"{client_url}/generate",
+        timeout=120,
+        headers=headers,
+        json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}},
+    )
     if r.status_code != 200 or len(r.json().get("output_ids", [])) != 4:
         raise LaunchError(f"smoke generation through {client_url} failed: HTTP {r.status_code} {r.text[:500]}")
     return r.json()["output_ids"]
 
 
 # --- the topology ------------------------------------------------------------------------------
+
 
 def resolve_model_path(topo: Topology) -> str:
     if topo.model.path:
@@ -247,7 +269,7 @@ class Tenancy:
     DEMO_TENANTS = ("demo", "demo-b")
 
     @classmethod
-    def prepare(cls, topo: Topology, run_dir: Path, create: bool = True) -> "Tenancy":
+    def prepare(cls, topo: Topology, run_dir: Path, create: bool = True) -> Tenancy:
         conf = topo.tenants
         if conf.mode == "off":
             return cls()
@@ -291,12 +313,16 @@ class Plan:
 def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Plan:
     """Every child of the topology, with fresh ports."""
     shared = topo.process_env()
-    env = {**shared, **tenancy.env()}
+    worker_env = {**shared, **tenancy.env()}
     h = topo.host
 
-    def child(name: str, argv_for_port, extra_env: dict[str, str] | None = None, base: dict[str, str] = env) -> Child:
+    def child(
+        name: str, argv_for_port, extra_env: dict[str, str] | None = None, base: dict[str, str] = worker_env
+    ) -> Child:
         port = free_port(h)
-        return Child(name, argv_for_port(port), {**base, **(extra_env or {})}, f"http://{h}:{port}", run_dir / f"{name}.log")
+        return Child(
+            name, argv_for_port(port), {**base, **(extra_env or {})}, f"http://{h}:{port}", run_dir / f"{name}.log"
+        )
 
     if topo.topology == "single":
         servers = [child("server", lambda port: topo.server_argv(model_path, port, "single"))]
@@ -305,16 +331,24 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
     else:
         boots = [free_port(h) for _ in range(topo.prefill.count)]
         # Prefill and decode accept handoffs naming these bootstrap endpoints only (intake.py).
-        trusted = {TRUSTED_BOOTSTRAP_ENV: ",".join(f"{h}:{b}" for b in boots)}
-        prefills = [child(f"prefill-{i}", lambda port, b=b: topo.server_argv(model_path, port, "prefill", b), trusted)
-                    for i, b in enumerate(boots)]
-        decodes = [child(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"), trusted)
-                   for i in range(topo.decode.count)]
+        trusted = {env.PREFILL_BOOTSTRAP.name: ",".join(f"{h}:{b}" for b in boots)}
+        prefills = [
+            child(f"prefill-{i}", lambda port, b=b: topo.server_argv(model_path, port, "prefill", b), trusted)
+            for i, b in enumerate(boots)
+        ]
+        decodes = [
+            child(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"), trusted)
+            for i in range(topo.decode.count)
+        ]
         servers = [*prefills, *decodes]
         # The router forwards the gateway's assertions and never checks one: it gets no key.
-        router = child("router", lambda port: topo.router_argv(
-            port, free_port(h), [(p.url, b) for p, b in zip(prefills, boots)], [d.url for d in decodes]),
-            base=shared)
+        router = child(
+            "router",
+            lambda port: topo.router_argv(
+                port, free_port(h), [(p.url, b) for p, b in zip(prefills, boots)], [d.url for d in decodes]
+            ),
+            base=shared,
+        )
         upstream = router.url
     gateway = child("gateway", lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file))
     return Plan(servers, router, gateway)
@@ -325,7 +359,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
     model_path = resolve_model_path(topo)
     tenancy = Tenancy.prepare(topo, run_dir)
     if topo.tenants.mode == "off":
-        say("WARNING: tenants are OFF ([tenants] mode = \"off\"): every client shares one trust domain")
+        say('WARNING: tenants are OFF ([tenants] mode = "off"): every client shares one trust domain')
     p = plan(topo, model_path, run_dir, tenancy)
     say(f"{topo.topology} topology from {topo.source}; run dir {run_dir}")
     for s in p.servers:
@@ -351,9 +385,12 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
         "launcher_pid": os.getpid(),
         "processes": [{"name": c.name, "pid": c.proc.pid, "url": c.url, "log": str(c.log)} for c in sup.children],
         "all_pids": sup.pids(),
-        "tenants": {"mode": topo.tenants.mode, "file": str(tenancy.tenants_file) if tenancy.tenants_file else None,
-                    "assertion_key_file": str(tenancy.key_file) if tenancy.key_file else None,
-                    "demo_keys_file": str(run_dir / "demo-keys.json") if tenancy.demo_keys else None},
+        "tenants": {
+            "mode": topo.tenants.mode,
+            "file": str(tenancy.tenants_file) if tenancy.tenants_file else None,
+            "assertion_key_file": str(tenancy.key_file) if tenancy.key_file else None,
+            "demo_keys_file": str(run_dir / "demo-keys.json") if tenancy.demo_keys else None,
+        },
     }
     # Whoever waits for ready.json reads it as soon as it exists: it appears whole, or not at all.
     (run_dir / "ready.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
@@ -365,7 +402,7 @@ def print_ready(info: dict) -> None:
     url, model, key = info["client_url"], info["model"], info.pop("demo_key", None)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
     auth = f" -H 'Authorization: Bearer {key}'" if key else ""
-    keys = (f"  demo tenant key (also in {info['tenants']['demo_keys_file']}): {key}\n" if key else "")
+    keys = f"  demo tenant key (also in {info['tenants']['demo_keys_file']}): {key}\n" if key else ""
     print(
         f"\nready in {info['ready_s']} s ({info['topology']})\n"
         f"  client URL: {url}\n{keys}"
@@ -381,12 +418,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", type=Path, default=None,
-                   help=f"topology file (TOML); default {default_config_path()} (or $GLM53_TOPOLOGY)")
-    p.add_argument("--topology", choices=("single", "pd"), default=None,
-                   help="override the file's topology: one colocated server, or prefill + decode + router")
-    p.add_argument("--run-dir", type=Path, default=None,
-                   help="where logs, commands and ready.json go; default runs/<UTC time>-<topology>")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"topology file (TOML); default {default_config_path()} (or $GLM53_TOPOLOGY)",
+    )
+    p.add_argument(
+        "--topology",
+        choices=("single", "pd"),
+        default=None,
+        help="override the file's topology: one colocated server, or prefill + decode + router",
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="where logs, commands and ready.json go; default runs/<UTC time>-<topology>",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands it would run, start nothing")
     return p.parse_args(argv)
 
@@ -399,10 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         say(f"bad topology: {e}")
         return 2
-    run_dir = args.run_dir or Path("runs") / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{topo.topology}"
+    run_dir = args.run_dir or Path("runs") / f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{topo.topology}"
     run_dir = run_dir.resolve()
     if args.dry_run:
-        p = plan(topo, topo.model.path or f"<{topo.model.preset}>", run_dir, Tenancy.prepare(topo, run_dir, create=False))
+        p = plan(
+            topo, topo.model.path or f"<{topo.model.preset}>", run_dir, Tenancy.prepare(topo, run_dir, create=False)
+        )
         for c in p.all():
             print(f"# {c.name}\n{shell_line(c.argv, c.env)}")
         print(f"# client URL: {p.gateway.url}")

@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 import os
 
-from glm53_serving import hooks
+from glm53_serving import env, hooks
 
 logger = logging.getLogger("glm53_serving")
 
-DISABLE_ENV = "GLM53_SERVING_DISABLE"
-KV_OFF_ENV = "GLM53_KV_GUARD_OFF"
+DISABLE_ENV = env.SERVING_DISABLE.name
+KV_OFF_ENV = env.KV_GUARD_OFF.name
 
 _active: tuple[hooks.Hook, ...] = ()
 _problems: list[str] = []
@@ -88,12 +88,18 @@ def register() -> None:
         logger.warning(
             "\n%s\n!! glm53_serving guards are DISABLED (%s=1): this server does NOT enforce\n"
             "!! admission limits, KV isolation or tenant isolation. Never expose it to tenants.\n%s",
-            "!" * 78, DISABLE_ENV, "!" * 78,
+            "!" * 78,
+            DISABLE_ENV,
+            "!" * 78,
         )
     elif _kv_off:
         logger.warning(
             "!! glm53_serving KV guard parts switched OFF (%s=%s): %s. This server does NOT enforce "
-            "them; never expose it to tenants.", KV_OFF_ENV, os.environ.get(KV_OFF_ENV), ", ".join(sorted(_kv_off)))
+            "them; never expose it to tenants.",
+            KV_OFF_ENV,
+            os.environ.get(KV_OFF_ENV),
+            ", ".join(sorted(_kv_off)),
+        )
 
 
 def problems(process: str) -> list[str]:

@@ -15,23 +15,21 @@ Order, outermost first: ContractErrors -> RequestBodyLimitMiddleware -> RequestV
 from __future__ import annotations
 
 import logging
-import os
 
 import orjson
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
-from glm53_serving import http_guard, validation
+from glm53_serving import env, http_guard, validation
 from glm53_serving.errors import ClientError
 
 logger = logging.getLogger("glm53_serving")
 
-MAX_BODY_ENV = "GLM53_MAX_BODY_BYTES"
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a hand-launched server's limit (launcher: from the topology)
 
 def max_body_bytes() -> int:
-    value = int(os.environ.get(MAX_BODY_ENV, DEFAULT_MAX_BODY_BYTES))
-    assert value > 0, f"{MAX_BODY_ENV} must be positive"
-    return value
+    raw = env.MAX_BODY_BYTES.get()
+    if not (raw or "").isdigit() or int(raw) <= 0:
+        raise ValueError(f"{env.MAX_BODY_BYTES.name}={raw!r}: a positive number of bytes")
+    return int(raw)
 
 
 class RequestValidator:
@@ -49,13 +47,13 @@ class RequestValidator:
                 from sglang.srt.entrypoints.http_server import get_global_state
 
                 tm = get_global_state().tokenizer_manager
-            from sglang.srt.runtime_context import get_disagg
-
-            pd = (get_disagg().disaggregation_mode or "null") in ("prefill", "decode")
+            pd = env.role() != "single"
             self._checks = validation.RequestChecks(
-                tm.model_config.vocab_size, not tm.model_config.is_multimodal,
+                tm.model_config.vocab_size,
+                not tm.model_config.is_multimodal,
                 validation.sglang_verify(tm.tokenizer, tm.sampling_params_class),
-                max_n=validation.MAX_N_PD if pd else validation.MAX_N).warmed()
+                max_n=validation.MAX_N_PD if pd else validation.MAX_N,
+            ).warmed()
         return self._checks
 
     async def __call__(self, scope, receive, send):
@@ -118,9 +116,16 @@ class ContractErrors:
                 status, raw = held["status"], b"".join(chunks)
                 held = None
                 if _is_contract(raw):
-                    await send({"type": "http.response.start", "status": status,
-                                "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(raw)).encode())]})
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": status,
+                            "headers": [
+                                (b"content-type", b"application/json"),
+                                (b"content-length", str(len(raw)).encode()),
+                            ],
+                        }
+                    )
                     return await send({"type": "http.response.body", "body": raw, "more_body": False})
                 return await http_guard.send_json(send, status, contract_body(status, raw))
             await send(message)
@@ -139,8 +144,11 @@ def _is_contract(raw: bytes) -> bool:
 def contract_body(status: int, raw: bytes) -> dict:
     """The contract body for an upstream 4xx: its message, whatever shape upstream gave it."""
     if status == 413:
-        return ClientError("request_too_large", f"Request body exceeds the limit of {max_body_bytes()} bytes.",
-                           details={"max_body_bytes": max_body_bytes()}).body()
+        return ClientError(
+            "request_too_large",
+            f"Request body exceeds the limit of {max_body_bytes()} bytes.",
+            details={"max_body_bytes": max_body_bytes()},
+        ).body()
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -148,7 +156,9 @@ def contract_body(status: int, raw: bytes) -> dict:
     message = body
     if isinstance(body, dict):
         err = body.get("error")
-        message = (err.get("message") if isinstance(err, dict) else err) or body.get("message") or body.get("detail") or body
+        message = (
+            (err.get("message") if isinstance(err, dict) else err) or body.get("message") or body.get("detail") or body
+        )
     code = "not_found" if status == 404 else "invalid_request_error"
     return {"error": {"message": str(message)[:2000], "type": "invalid_request_error", "param": None, "code": code}}
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
-from glm53_serving import admission, http_guard, intake, kv_guard, kv_owner, plugin, tenant_guard
+from glm53_serving import admission, env, http_guard, intake, kv_guard, kv_owner, plugin, tenant_guard
 from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
@@ -43,8 +42,7 @@ def _refuse(where: str, problems: list[str]) -> RefuseToStart:
 def capacity_of(scheduler) -> Capacity:
     from sglang.srt.runtime_context import get_disagg
 
-    mode = get_disagg().disaggregation_mode or "null"
-    role = {"null": "single", "prefill": "prefill", "decode": "decode"}[mode]
+    role = env.role()
     return Capacity(
         role=role,
         context_length=scheduler.model_config.context_len,
@@ -66,11 +64,15 @@ def capacity_problems(cap: Capacity, deployment: Limits | None, auto_truncate: b
         )
     if cap.role != "single":
         if auto_truncate:
-            problems.append("--allow-auto-truncate is refused in PD mode: prefill and decode would truncate "
-                            "to different lengths and decode would attend over pages nothing wrote")
+            problems.append(
+                "--allow-auto-truncate is refused in PD mode: prefill and decode would truncate "
+                "to different lengths and decode would attend over pages nothing wrote"
+            )
         if deployment is None:
-            problems.append(f"a PD {cap.role} server needs the deployment's limits in {admission.LIMITS_ENV} "
-                            "(the launcher sets it from every role) so that prefill and decode cannot disagree")
+            problems.append(
+                f"a PD {cap.role} server needs the deployment's limits in {env.DEPLOYMENT_LIMITS.name} "
+                "(the launcher sets it from every role) so that prefill and decode cannot disagree"
+            )
     if deployment is not None and not deployment.within(Limits.of([cap])):
         problems.append(
             f"this {cap.role} server (KV {cap.kv_tokens} tokens, page {cap.page_size}, reserve {cap.decode_reserve}) "
@@ -90,7 +92,7 @@ def scheduler_verified_info(result: dict, self) -> dict:
         try:
             deployment = Limits.from_env()
         except (TypeError, ValueError) as e:
-            deployment, problems = None, [*problems, f"{admission.LIMITS_ENV} is malformed: {e}"]
+            deployment, problems = None, [*problems, f"{env.DEPLOYMENT_LIMITS.name} is malformed: {e}"]
         problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
         if plugin.kv_part_on("zero") or plugin.kv_part_on("owner"):
             problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
@@ -115,14 +117,18 @@ def require_verified_schedulers(infos: list, scheduler_pipe_readers=None, schedu
         if not http_guard.installed():
             problems.append("the hard-4xx middleware is not installed on the HTTP app")
         if any(c.role != "single" for c in caps) and intake.trusted_bootstrap() is None:
-            problems.append(f"a PD server needs its deployment's prefill bootstrap endpoints in "
-                            f"{intake.TRUSTED_BOOTSTRAP_ENV} (the launcher sets it) to refuse foreign handoffs")
+            problems.append(
+                f"a PD server needs its deployment's prefill bootstrap endpoints in "
+                f"{env.PREFILL_BOOTSTRAP.name} (the launcher sets it) to refuse foreign handoffs"
+            )
         limits = Limits.from_env() or Limits.of(caps)
         admission.set_limits(limits)
         for info in infos:
-            info[STATUS_KEY]["limits"] = {"max_input_tokens": limits.max_input_tokens,
-                                          "max_total_tokens": limits.max_total_tokens,
-                                          "clip_output": os.environ.get(admission.CLIP_ENV) == "1"}
+            info[STATUS_KEY]["limits"] = {
+                "max_input_tokens": limits.max_input_tokens,
+                "max_total_tokens": limits.max_total_tokens,
+                "clip_output": admission.clip_output(),
+            }
             info[STATUS_KEY]["tenants"] = "enforced" if tenant_guard.enforced() else "off"
     if problems:
         raise _refuse("http/tokenizer", problems)

@@ -42,49 +42,127 @@ class Access(str, Enum):
 # this table does not classify, so an endpoint added upstream is reviewed before it is served
 # (and until then it is ADMIN at run time: unknown routes fail closed).
 ROUTES: dict[str, Access] = {
-    **dict.fromkeys((
-        "/health", "/health_generate", "/ready", "/ping", "/metrics", "/",
-        "/v1/models", "/v1/models/{model:path}", "/get_model_info", "/model_info", "/api/tags",
-        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
-    ), Access.OPEN),
-    **dict.fromkeys((
-        # generation: every one goes through TokenizerManager._validate_one_request (intake.py),
-        # where the tenant's namespace is imposed
-        "/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-        "/api/chat", "/api/generate",
-        # tenant-owned objects: ownership checked by the hooks below
-        "/open_session", "/close_session", "/abort_request",
-        # stateless text utilities
-        "/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize", "/parse_function_call",
-        "/separate_reasoning", "/api/show",
-    ), Access.TENANT),
-    **dict.fromkeys((
-        "/server_info", "/get_server_info", "/v1/loads",
-        # the Responses API stores responses by id with no owner (and upstream's store is also
-        # refused at start-up with tenants): operators only until ownership exists
-        "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
-        # non-generation model calls: not reviewed for namespaces; operators only
-        "/encode", "/classify", "/v1/embeddings", "/v1/classify", "/v1/score", "/v1/decisions", "/v1/rerank",
-        "/v1/audio/transcriptions", "/v1/realtime", "/v1/systemone", "/invocations", "/vertex_generate",
-        # control plane
-        "/set_internal_state", "/flush_cache", "/add_external_corpus", "/remove_external_corpus",
-        "/list_external_corpora", "/hicache/storage-backend/clear", "/hicache/storage-backend",
-        "/get_hicache_l3_cache_layout", "/start_profile", "/stop_profile", "/set_trace_level", "/freeze_gc",
-        "/start_expert_distribution_record", "/stop_expert_distribution_record",
-        "/dump_expert_distribution_record", "/update_weights_from_disk",
-        "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
-        "/get_remote_instance_transfer_engine_info", "/remote_instance_transfer_engine_info",
-        "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_tensor",
-        "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
-        "/update_weights_from_ipc", "/update_weight_version", "/get_weights_by_name",
-        "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker", "/slow_down",
-        "/pd_role_switch", "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
-        "/configure_logging", "/pause_generation", "/continue_generation", "/scale_elastic_ep",
-        "/is_scaling_elastic_ep",
-    ), Access.ADMIN),
+    **dict.fromkeys(
+        (
+            "/health",
+            "/health_generate",
+            "/ready",
+            "/ping",
+            "/metrics",
+            "/",
+            "/v1/models",
+            "/v1/models/{model:path}",
+            "/get_model_info",
+            "/model_info",
+            "/api/tags",
+            "/openapi.json",
+            "/docs",
+            "/docs/oauth2-redirect",
+            "/redoc",
+        ),
+        Access.OPEN,
+    ),
+    **dict.fromkeys(
+        (
+            # generation: every one goes through TokenizerManager._validate_one_request (intake.py),
+            # where the tenant's namespace is imposed
+            "/generate",
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/api/chat",
+            "/api/generate",
+            # tenant-owned objects: ownership checked by the hooks below
+            "/open_session",
+            "/close_session",
+            "/abort_request",
+            # stateless text utilities
+            "/tokenize",
+            "/v1/tokenize",
+            "/detokenize",
+            "/v1/detokenize",
+            "/parse_function_call",
+            "/separate_reasoning",
+            "/api/show",
+        ),
+        Access.TENANT,
+    ),
+    **dict.fromkeys(
+        (
+            "/server_info",
+            "/get_server_info",
+            "/v1/loads",
+            # the Responses API stores responses by id with no owner (and upstream's store is also
+            # refused at start-up with tenants): operators only until ownership exists
+            "/v1/responses",
+            "/v1/responses/{response_id}",
+            "/v1/responses/{response_id}/cancel",
+            # non-generation model calls: not reviewed for namespaces; operators only
+            "/encode",
+            "/classify",
+            "/v1/embeddings",
+            "/v1/classify",
+            "/v1/score",
+            "/v1/decisions",
+            "/v1/rerank",
+            "/v1/audio/transcriptions",
+            "/v1/realtime",
+            "/v1/systemone",
+            "/invocations",
+            "/vertex_generate",
+            # control plane
+            "/set_internal_state",
+            "/flush_cache",
+            "/add_external_corpus",
+            "/remove_external_corpus",
+            "/list_external_corpora",
+            "/hicache/storage-backend/clear",
+            "/hicache/storage-backend",
+            "/get_hicache_l3_cache_layout",
+            "/start_profile",
+            "/stop_profile",
+            "/set_trace_level",
+            "/freeze_gc",
+            "/start_expert_distribution_record",
+            "/stop_expert_distribution_record",
+            "/dump_expert_distribution_record",
+            "/update_weights_from_disk",
+            "/init_weights_send_group_for_remote_instance",
+            "/send_weights_to_remote_instance",
+            "/get_remote_instance_transfer_engine_info",
+            "/remote_instance_transfer_engine_info",
+            "/init_weights_update_group",
+            "/destroy_weights_update_group",
+            "/update_weights_from_tensor",
+            "/begin_weight_update",
+            "/end_weight_update",
+            "/update_weights_from_distributed",
+            "/update_weights_from_ipc",
+            "/update_weight_version",
+            "/get_weights_by_name",
+            "/release_memory_occupation",
+            "/resume_memory_occupation",
+            "/weights_checker",
+            "/slow_down",
+            "/pd_role_switch",
+            "/load_lora_adapter",
+            "/load_lora_adapter_from_tensors",
+            "/unload_lora_adapter",
+            "/configure_logging",
+            "/pause_generation",
+            "/continue_generation",
+            "/scale_elastic_ep",
+            "/is_scaling_elastic_ep",
+        ),
+        Access.ADMIN,
+    ),
 }
-_TEMPLATED = [(re.compile("^" + re.sub(r"\{[^}:]+(:path)?\}", lambda m: ".+" if m.group(1) else "[^/]+", p) + "$"), a)
-              for p, a in ROUTES.items() if "{" in p]
+_TEMPLATED = [
+    (re.compile("^" + re.sub(r"\{[^}:]+(:path)?\}", lambda m: ".+" if m.group(1) else "[^/]+", p) + "$"), a)
+    for p, a in ROUTES.items()
+    if "{" in p
+]
 
 
 def access_of(path: str) -> Access:
@@ -122,8 +200,11 @@ class TenantGuardMiddleware:
         principal = tenants.verify(_key, header)
         error = None
         if principal is None:
-            error = ClientError("invalid_api_key", "This worker serves only requests forwarded by its deployment's "
-                                "gateway (missing or invalid tenant assertion).")
+            error = ClientError(
+                "invalid_api_key",
+                "This worker serves only requests forwarded by its deployment's "
+                "gateway (missing or invalid tenant assertion).",
+            )
         elif access is Access.ADMIN and not principal.is_admin:
             error = ClientError("permission_denied", f"{path} is an operator endpoint.")
         if error is not None:
@@ -145,12 +226,15 @@ def install(app, server_args) -> None:
     global _key
     _key = tenants.load_assertion_key()
     if _key is None:
-        logger.warning("glm53_serving: no %s: tenants are OFF on this worker (single-user deployment)",
-                       tenants.KEY_FILE_ENV)
+        logger.warning(
+            "glm53_serving: no %s: tenants are OFF on this worker (single-user deployment)", tenants.KEY_FILE_ENV
+        )
         return
     if getattr(server_args, "enable_response_store", False):
-        raise RuntimeError("glm53_serving: --enable-response-store is refused with tenants: stored responses "
-                           "have no owner upstream (any tenant could read another's by id)")
+        raise RuntimeError(
+            "glm53_serving: --enable-response-store is refused with tenants: stored responses "
+            "have no owner upstream (any tenant could read another's by id)"
+        )
     if not any(m.cls is TenantGuardMiddleware for m in app.user_middleware):
         app.add_middleware(TenantGuardMiddleware)
 
@@ -160,6 +244,7 @@ def installed(app) -> bool:
 
 
 # --- what a tenant may touch --------------------------------------------------------------
+
 
 class _Owners:
     """id -> tenant for ids tenants create (sessions, request ids); bounded, oldest forgotten
@@ -240,8 +325,9 @@ def abort_request_hook(original, self, rid: str = "", abort_all: bool = False):
     if abort_all:
         from glm53_serving import http_guard
 
-        error = ClientError("permission_denied", "abort_all is an operator action; abort your requests by rid.",
-                            param="abort_all")
+        error = ClientError(
+            "permission_denied", "abort_all is an operator action; abort your requests by rid.", param="abort_all"
+        )
         http_guard.reject(error, reason="permission_denied")
         raise error
     if REQUESTS.owner(rid) != p.tenant:

@@ -31,7 +31,9 @@ from pathlib import Path
 import jwt
 import tomli_w
 
-KEY_FILE_ENV = "GLM53_ASSERTION_KEY_FILE"  # set by the launcher on the gateway and every worker
+from glm53_serving import env
+
+KEY_FILE_ENV = env.ASSERTION_KEY_FILE.name  # set by the launcher on the gateway and every worker
 AUDIENCE = "glm53-workers"
 ASSERTION_TTL_S = 120
 KEY_PREFIX = "g53-"
@@ -49,7 +51,7 @@ class TenantsFile:
     by_hash: dict[str, str]
 
     @classmethod
-    def load(cls, path: Path) -> "TenantsFile":
+    def load(cls, path: Path) -> TenantsFile:
         data = tomllib.loads(Path(path).read_text())
         by_hash: dict[str, str] = {}
         for tenant, entry in data.get("tenants", {}).items():
@@ -82,6 +84,7 @@ def add_tenant(path: Path, tenant: str) -> str:
 
 
 # --- assertions: gateway -> workers -------------------------------------------------------
+
 
 def new_assertion_key(path: Path) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -120,8 +123,14 @@ def verify(key: bytes, authorization: str | None) -> Principal | None:
     if not authorization or not authorization[:7].lower() == "bearer ":
         return None
     try:
-        claims = jwt.decode(authorization[7:].strip(), key, algorithms=["HS256"], audience=AUDIENCE,
-                            options={"require": ["sub", "aud", "exp", "iat"]}, leeway=5)
+        claims = jwt.decode(
+            authorization[7:].strip(),
+            key,
+            algorithms=["HS256"],
+            audience=AUDIENCE,
+            options={"require": ["sub", "aud", "exp", "iat"]},
+            leeway=5,
+        )
     except jwt.InvalidTokenError:
         return None
     return Principal(str(claims["sub"]), float(claims["exp"]))
@@ -163,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "add":
         key = add_tenant(args.file, args.tenant)
         print(key)
-        print(f"added a key for tenant {args.tenant!r} to {args.file}; this key is not stored and will not "
-              "be shown again", file=sys.stderr)
+        print(
+            f"added a key for tenant {args.tenant!r} to {args.file}; this key is not stored and will not "
+            "be shown again",
+            file=sys.stderr,
+        )
     elif args.cmd == "new-key":
         print(f"created {new_assertion_key(args.key_file)}", file=sys.stderr)
     else:

@@ -8,7 +8,6 @@ fails before any process starts.
 from __future__ import annotations
 
 import math
-import os
 import random
 import shlex
 import socket
@@ -18,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from glm53_serving import cpu
-from glm53_serving.admission import CLIP_ENV, LIMITS_ENV, Capacity, Limits
-from glm53_serving.request_guard import MAX_BODY_ENV
+from glm53_serving import cpu, env
+from glm53_serving.admission import Capacity, Limits
 from glm53_serving.validation import MAX_N, MAX_N_PD
 
 REPO_LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
@@ -59,7 +57,9 @@ class RoleConf:
             assert v is None or v > 0, f"{name} must be positive"
         assert self.decode_reserve is None or self.decode_reserve >= 0
         for flag in ("--max-total-tokens", "--page-size", "--num-reserved-decode-tokens", "--context-length"):
-            assert flag not in self.args, f"set {flag} through the topology's own keys, not args: the limits derive from them"
+            assert flag not in self.args, (
+                f"set {flag} through the topology's own keys, not args: the limits derive from them"
+            )
 
 
 @dataclass(slots=True)
@@ -100,7 +100,7 @@ class TenantsConf:
 
     def __post_init__(self):
         assert self.mode in ("demo", "file", "off"), f"tenants.mode must be demo, file or off, not {self.mode!r}"
-        assert (self.mode == "file") == (self.file is not None), "tenants: set file exactly when mode = \"file\""
+        assert (self.mode == "file") == (self.file is not None), 'tenants: set file exactly when mode = "file"'
 
 
 # Always on the router's command line: one tenant's failing requests must not make the router
@@ -123,7 +123,8 @@ class RouterConf:
         for arg in self.args:
             assert not arg.startswith(("--retry-", "--cb-")), (
                 f"router {arg}: the launcher always runs the router without retries and without a circuit breaker "
-                "(ROUTER_SHARED_FATE_OFF); a retry or breaker setting would let one tenant's failures refuse others")
+                "(ROUTER_SHARED_FATE_OFF); a retry or breaker setting would let one tenant's failures refuse others"
+            )
 
 
 @dataclass(slots=True)
@@ -153,19 +154,23 @@ class Topology:
             for role in ("prefill", "decode"):
                 assert self.role_value(role, "kv_tokens"), (
                     f"PD needs every role's KV budget: set kv_tokens in [{role}] or [worker] "
-                    "(the deployment-wide request limit is computed from them)")
+                    "(the deployment-wide request limit is computed from them)"
+                )
         assert self.model.context_length, "model.context_length: the advertised window must be explicit"
         assert self.prefill.max_body_bytes is None and self.decode.max_body_bytes is None, (
-            "max_body_bytes is one limit for every server: set it in [worker]")
+            "max_body_bytes is one limit for every server: set it in [worker]"
+        )
         gateway, router, worker = self.body_limits()
         assert gateway <= router <= worker, (
             f"body limits must grow inward so the gateway answers first: gateway {gateway} <= router {router} "
-            f"<= worker {worker}")
+            f"<= worker {worker}"
+        )
         assert self.router_timeout_s() > self.gateway.upstream_timeout_s, (
-            "[router] request_timeout_s must exceed [gateway] upstream_timeout_s so the gateway answers first")
+            "[router] request_timeout_s must exceed [gateway] upstream_timeout_s so the gateway answers first"
+        )
 
     @classmethod
-    def load(cls, path: Path | str, topology: str | None = None) -> "Topology":
+    def load(cls, path: Path | str, topology: str | None = None) -> Topology:
         path = Path(path)
         with path.open("rb") as f:
             raw = tomllib.load(f)
@@ -203,9 +208,13 @@ class Topology:
         if role == "decode":
             reserve = self.role_value(role, "decode_reserve")
             reserve = SGLANG_DEFAULT_DECODE_RESERVE if reserve is None else reserve
-        return Capacity(role=role, context_length=self.model.context_length,
-                        kv_tokens=self.role_value(role, "kv_tokens"),
-                        page_size=self.role_value(role, "page_size") or 1, decode_reserve=reserve)
+        return Capacity(
+            role=role,
+            context_length=self.model.context_length,
+            kv_tokens=self.role_value(role, "kv_tokens"),
+            page_size=self.role_value(role, "page_size") or 1,
+            decode_reserve=reserve,
+        )
 
     def admission_plan(self) -> tuple[int, Limits | None]:
         """(advertised context length, deployment limits) or ValueError naming the way out."""
@@ -219,7 +228,8 @@ class Topology:
                     f"the advertised context window (model.context_length = {ctx}) exceeds the {worst.role} "
                     f"role's KV capacity ({worst.kv_tokens} tokens): the incident's configuration. Either enlarge "
                     f"the pool (kv_tokens, with the memory to back it) or advertise the capacity: set "
-                    f"[admission] clamp_context_to_kv = true (the window becomes {smallest})")
+                    f"[admission] clamp_context_to_kv = true (the window becomes {smallest})"
+                )
             ctx = smallest
             caps = [Capacity(c.role, ctx, c.kv_tokens, c.page_size, c.decode_reserve) for c in caps]
         return ctx, (Limits.of(caps) if caps else None)
@@ -234,31 +244,39 @@ class Topology:
         return self.router.request_timeout_s or self.gateway.upstream_timeout_s + INNER_TIMEOUT_MARGIN_S
 
     def process_env(self) -> dict[str, str]:
-        env = {
+        out = {
             # The bootstrap server and the transfer engine advertise this address to peers;
             # left unset they advertise the first NIC's address instead of the configured host.
             "SGLANG_HOST_IP": self.host,
-            MAX_BODY_ENV: str(self.body_limits()[2]),
+            env.MAX_BODY_BYTES.name: str(self.body_limits()[2]),
         }
         _, limits = self.admission_plan()
         if limits is not None:
-            env[LIMITS_ENV] = limits.to_env()
+            out[env.DEPLOYMENT_LIMITS.name] = limits.to_env()
         if self.admission.clip_output:
-            env[CLIP_ENV] = "1"
+            out[env.CLIP_OUTPUT.name] = "1"
         if self.device == "cpu":
-            env.update(cpu.ENV)
-        env.update(self.env)
-        return env
+            out.update(cpu.ENV)
+        out.update(self.env)
+        return out
 
     def server_argv(self, model_path: str, port: int, role: str, bootstrap_port: int | None = None) -> list[str]:
         m = self.model
         ctx, _ = self.admission_plan()
         argv = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", model_path,
-            "--served-model-name", m.served_model_name,
-            "--host", self.host, "--port", str(port),
-            "--context-length", str(ctx),
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path,
+            "--served-model-name",
+            m.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--context-length",
+            str(ctx),
         ]
         for name, flag in (("kv_tokens", "--max-total-tokens"), ("page_size", "--page-size")):
             if self.role_value(role, name) is not None:
@@ -275,8 +293,14 @@ class Topology:
             argv += ["--skip-server-warmup"]
         argv += self.worker.args
         if role == "prefill":
-            argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", self.transfer_backend,
-                     "--disaggregation-bootstrap-port", str(bootstrap_port)]
+            argv += [
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-transfer-backend",
+                self.transfer_backend,
+                "--disaggregation-bootstrap-port",
+                str(bootstrap_port),
+            ]
             argv += self.prefill.args
         elif role == "decode":
             argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", self.transfer_backend]
@@ -287,14 +311,29 @@ class Topology:
             assert role == "single", role
         return argv
 
-    def router_argv(self, port: int, prometheus_port: int, prefills: list[tuple[str, int]], decodes: list[str]) -> list[str]:
+    def router_argv(
+        self, port: int, prometheus_port: int, prefills: list[tuple[str, int]], decodes: list[str]
+    ) -> list[str]:
         argv = [
-            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--host", self.host, "--port", str(port), "--policy", self.router.policy,
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--policy",
+            self.router.policy,
             # Its exporter binds 0.0.0.0:29000 by default; two routers on a host then collide.
-            "--prometheus-host", self.host, "--prometheus-port", str(prometheus_port),
-            "--max-payload-size", str(self.body_limits()[1]),
-            "--request-timeout-secs", str(math.ceil(self.router_timeout_s())),
+            "--prometheus-host",
+            self.host,
+            "--prometheus-port",
+            str(prometheus_port),
+            "--max-payload-size",
+            str(self.body_limits()[1]),
+            "--request-timeout-secs",
+            str(math.ceil(self.router_timeout_s())),
             *ROUTER_SHARED_FATE_OFF,
         ]
         for url, boot in prefills:
@@ -306,12 +345,27 @@ class Topology:
     def gateway_argv(self, upstream: str, model_path: str, port: int, tenants_file: Path | None = None) -> list[str]:
         ctx, _ = self.admission_plan()
         return [
-            sys.executable, "-m", "glm53_serving.gateway", "--upstream", upstream,
-            "--model-path", model_path, "--served-model-name", self.model.served_model_name,
-            "--context-length", str(ctx), "--host", self.host, "--port", str(port),
-            "--max-body-bytes", str(self.gateway.max_body_bytes),
-            "--upstream-timeout-s", str(self.gateway.upstream_timeout_s),
-            "--max-n", str(MAX_N if self.topology == "single" else MAX_N_PD),
+            sys.executable,
+            "-m",
+            "glm53_serving.gateway",
+            "--upstream",
+            upstream,
+            "--model-path",
+            model_path,
+            "--served-model-name",
+            self.model.served_model_name,
+            "--context-length",
+            str(ctx),
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--max-body-bytes",
+            str(self.gateway.max_body_bytes),
+            "--upstream-timeout-s",
+            str(self.gateway.upstream_timeout_s),
+            "--max-n",
+            str(MAX_N if self.topology == "single" else MAX_N_PD),
         ] + ([] if tenants_file is None else ["--tenants-file", str(tenants_file)])
 
 
@@ -354,4 +408,4 @@ def shell_line(argv: list[str], env: dict[str, str]) -> str:
 
 
 def default_config_path() -> Path:
-    return Path(os.environ.get("GLM53_TOPOLOGY", DEFAULT_CONFIG))
+    return Path(env.TOPOLOGY.get() or DEFAULT_CONFIG)

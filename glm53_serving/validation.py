@@ -28,8 +28,9 @@ from __future__ import annotations
 import collections
 import functools
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import orjson
 
@@ -51,16 +52,35 @@ OPENAI_MAX_STOP = 4
 
 # OpenAI request field -> SamplingParams field (what the serving layer converts it to).
 OPENAI_SAMPLING = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty", "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed",
-    "stop": "stop", "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "logit_bias": "logit_bias",
 }
 # Media a text-only model cannot take: /generate fields, and chat content part types.
 MEDIA_FIELDS = ("image_data", "video_data", "audio_data", "input_embeds")
-MEDIA_PARTS = {"image_url", "image", "input_image", "video_url", "video", "audio_url", "input_audio", "audio",
-               "file", "input_file"}
+MEDIA_PARTS = {
+    "image_url",
+    "image",
+    "input_image",
+    "video_url",
+    "video",
+    "audio_url",
+    "input_audio",
+    "audio",
+    "file",
+    "input_file",
+}
 _JSON_TYPES = ("application/json",)
 _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")  # request field names; pydantic's union tags are not
 
@@ -70,6 +90,7 @@ def invalid(message: str, param: str | None = None) -> ClientError:
 
 
 # --- body ---------------------------------------------------------------------------------------
+
 
 def parse_body(raw: bytes, content_type: str | None) -> dict:
     """The JSON object in a request body: UTF-8 (no BOM, no lone surrogates), no NaN/Infinity,
@@ -92,6 +113,7 @@ def parse_body(raw: bytes, content_type: str | None) -> dict:
 
 # --- schema -------------------------------------------------------------------------------------
 
+
 def param_of(loc: Iterable[Any]) -> str | None:
     """A pydantic error location as an OpenAI-style param (`messages[0].content`), without
     pydantic's union-branch tags (`str`, `list[str]`, model class names)."""
@@ -99,7 +121,9 @@ def param_of(loc: Iterable[Any]) -> str | None:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part != "body" and _FIELD.match(part) and part not in ("str", "int", "float", "bool", "list", "dict", "any"):
+        elif (
+            part != "body" and _FIELD.match(part) and part not in ("str", "int", "float", "bool", "list", "dict", "any")
+        ):
             out += f".{part}" if out else part
     return out or None
 
@@ -177,7 +201,9 @@ def _check_uniform(body: dict) -> None:
             raise invalid(f"The request nests JSON deeper than {MAX_DEPTH} levels.", path)
         if isinstance(value, dict):
             if len(value) > MAX_ITEMS:
-                raise invalid(f"{path or 'The request body'} has {len(value)} entries; at most {MAX_ITEMS}.", path or None)
+                raise invalid(
+                    f"{path or 'The request body'} has {len(value)} entries; at most {MAX_ITEMS}.", path or None
+                )
             children = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items() if isinstance(v, (dict, list))]
         else:
             children = _check_list(path, value)
@@ -191,21 +217,23 @@ def _check_list(path: str, value: list) -> list[tuple[str, dict | list]]:
     """One list's bounds and kind; its containers, to visit."""
     kinds = {type(v) for v in value if v is not None}
     if len(value) > MAX_ITEMS and kinds != {int}:
-        raise invalid(f"{path} has {len(value)} elements; a list has at most {MAX_ITEMS} "
-                      "(lists of token ids aside).", path)
+        raise invalid(
+            f"{path} has {len(value)} elements; a list has at most {MAX_ITEMS} (lists of token ids aside).", path
+        )
     if len(kinds) > 1 and not _FREE_FORM.search(path):
         first = type(next(v for v in value if v is not None))
         i = next(i for i, v in enumerate(value) if v is not None and type(v) is not first)
-        raise invalid(f"{path}[{i}] is a {type(value[i]).__name__}, unlike {path}[0]: "
-                      "a list holds one kind of element.", f"{path}[{i}]")
+        raise invalid(
+            f"{path}[{i}] is a {type(value[i]).__name__}, unlike {path}[0]: a list holds one kind of element.",
+            f"{path}[{i}]",
+        )
     if dict in kinds and (path == "messages" or path.endswith(".content")):
         key = "role" if path == "messages" else "type"
         for i, v in enumerate(value):
             if isinstance(v, dict) and not isinstance(v.get(key), str):
                 raise invalid(f"{path}[{i}].{key} is required and must be a string.", f"{path}[{i}].{key}")
             if key == "role" and not isinstance(v.get("content"), (str, list, type(None))):
-                raise invalid(f"{path}[{i}].content must be a string, a list of parts or null.",
-                              f"{path}[{i}].content")
+                raise invalid(f"{path}[{i}].content must be a string, a list of parts or null.", f"{path}[{i}].content")
     if not kinds & {dict, list}:
         return []
     return [(f"{path}[{i}]", v) for i, v in enumerate(value) if isinstance(v, (dict, list))]
@@ -216,7 +244,6 @@ def _check_list(path: str, value: list) -> list[tuple[str, dict | list]]:
 # Elsewhere int and float count as two kinds: [1, 1.5, 1.5, ...] as token ids costs one pydantic
 # error per float (measured: 3.6 s for 200 000).
 _FREE_FORM = re.compile(r"\.parameters\b|json_schema|custom_params|\.schema\b")
-
 
 
 @functools.cache
@@ -251,6 +278,7 @@ def _check_generate_contract(body: dict) -> None:
 
 
 # --- semantics SGLang does not check --------------------------------------------------------------
+
 
 def check_bounds(endpoint: str, body: dict, *, text_only: bool, max_n: int = MAX_N) -> None:
     if endpoint == GENERATE:
@@ -292,7 +320,9 @@ def check_prompt(endpoint: str, body: dict, vocab_size: int) -> None:
         if isinstance(row, list) and row and isinstance(row[0], int):
             bad = next((t for t in row if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise invalid(f"{name} contains token id {bad}, outside this model's vocabulary [0, {vocab_size}).", name)
+                raise invalid(
+                    f"{name} contains token id {bad}, outside this model's vocabulary [0, {vocab_size}).", name
+                )
 
 
 def _check_generate_bounds(body: dict, text_only: bool, max_n: int) -> None:
@@ -331,8 +361,10 @@ def _check_chat_media(messages: list) -> None:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in MEDIA_PARTS:
-                raise invalid(f"This model takes text only; content type {kind!r} is not accepted.",
-                              f"messages[{i}].content[{j}].type")
+                raise invalid(
+                    f"This model takes text only; content type {kind!r} is not accepted.",
+                    f"messages[{i}].content[{j}].type",
+                )
 
 
 def _range(obj: dict, name: str, lo: int, hi: int, *, prefix: str = "", why: str | None = None) -> None:
@@ -340,11 +372,13 @@ def _range(obj: dict, name: str, lo: int, hi: int, *, prefix: str = "", why: str
     if value is None or isinstance(value, bool) or not isinstance(value, int):
         return  # absent, or a type error the schema reports
     if not lo <= value <= hi:
-        raise invalid(f"{prefix}{name} must be in [{lo}, {hi}]{f' ({why})' if why else ''}, got {value}.",
-                      prefix + name)
+        raise invalid(
+            f"{prefix}{name} must be in [{lo}, {hi}]{f' ({why})' if why else ''}, got {value}.", prefix + name
+        )
 
 
 # --- sampling parameter domains: SGLang's SamplingParams.verify, attributed ---------------------
+
 
 def sampling_fields(endpoint: str, body: dict) -> list[tuple[str, dict]]:
     """(param prefix or OpenAI field map, SGLang sampling kwargs) for each request in the body."""
@@ -371,7 +405,9 @@ def _check_stop_token_ids(ids, vocab_size: int) -> None:
     # Upstream ignores ids outside the vocabulary (they can never match): say so instead.
     for t in ids or ():
         if isinstance(t, int) and not 0 <= t < vocab_size:
-            raise ValueError(f"stop_token_ids contains token id {t}, outside this model's vocabulary [0, {vocab_size}).")
+            raise ValueError(
+                f"stop_token_ids contains token id {t}, outside this model's vocabulary [0, {vocab_size})."
+            )
 
 
 def _culprit(endpoint, body, prefix, params, vocab_size, verify, message) -> str | None:
@@ -397,6 +433,7 @@ def _culprit(endpoint, body, prefix, params, vocab_size, verify, message) -> str
 def sglang_verify(tokenizer, cls=None) -> Callable[[dict, int], None]:
     """What the tokenizer manager does to a request's sampling parameters (its
     `sampling_params_class`, normalized with its tokenizer, verified)."""
+
     def verify(params: dict, vocab_size: int) -> None:
         nonlocal cls
         if cls is None:
@@ -404,11 +441,19 @@ def sglang_verify(tokenizer, cls=None) -> Callable[[dict, int], None]:
         sp = cls(**params)
         sp.normalize(tokenizer)
         sp.verify(vocab_size)
+
     return verify
 
 
-def check_request(endpoint: str, body: dict, *, vocab_size: int, text_only: bool,
-                  verify: Callable[[dict, int], None], max_n: int = MAX_N) -> None:
+def check_request(
+    endpoint: str,
+    body: dict,
+    *,
+    vocab_size: int,
+    text_only: bool,
+    verify: Callable[[dict, int], None],
+    max_n: int = MAX_N,
+) -> None:
     """Every check above, in the order a client would fix them: shape, bounds, domains."""
     check_schema(endpoint, body)
     check_bounds(endpoint, body, text_only=text_only, max_n=max_n)
@@ -426,31 +471,36 @@ class RequestChecks:
     max_n: int = MAX_N
 
     @classmethod
-    def for_model(cls, model_path: str, tokenizer, max_n: int = MAX_N) -> "RequestChecks":
+    def for_model(cls, model_path: str, tokenizer, max_n: int = MAX_N) -> RequestChecks:
         """From a checkpoint directory, as SGLang's ModelConfig judges it; loads SGLang's request
         models now so that no client request pays for the import."""
         from sglang.srt.configs.model_config import is_multimodal_model
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_path)
-        return cls(config.vocab_size, not is_multimodal_model(config.architectures or []), sglang_verify(tokenizer),
-                   max_n).warmed()
+        return cls(
+            config.vocab_size, not is_multimodal_model(config.architectures or []), sglang_verify(tokenizer), max_n
+        ).warmed()
 
-    def warmed(self) -> "RequestChecks":
+    def warmed(self) -> RequestChecks:
         """Build SGLang's request models and run one request per endpoint now: done lazily, the
         first requests after start took 2 to 7 s on a busy 2-core machine (measured)."""
-        for endpoint, body in ((GENERATE, {"text": "x", "sampling_params": {"max_new_tokens": 1, "stop": ["y"]}}),
-                               (COMPLETIONS, {"prompt": "x", "max_tokens": 1}),
-                               (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})):
+        for endpoint, body in (
+            (GENERATE, {"text": "x", "sampling_params": {"max_new_tokens": 1, "stop": ["y"]}}),
+            (COMPLETIONS, {"prompt": "x", "max_tokens": 1}),
+            (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+        ):
             self.check(endpoint, body)
         return self
 
     def check(self, endpoint: str, body: dict) -> None:
-        check_request(endpoint, body, vocab_size=self.vocab_size, text_only=self.text_only, verify=self.verify,
-                      max_n=self.max_n)
+        check_request(
+            endpoint, body, vocab_size=self.vocab_size, text_only=self.text_only, verify=self.verify, max_n=self.max_n
+        )
 
 
 # --- after tokenization (intake's hook) ---------------------------------------------------------
+
 
 def check_tokenized(input_ids, top_logprobs_num, vocab_size: int, endpoint: str | None) -> None:
     """Right before the scheduler, whatever path the request took: an empty prompt (a zero-token

@@ -29,17 +29,31 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from glm53_serving import tenants
-from glm53_serving.admission import LIMITS_ENV, Limits
+from glm53_serving import env, tenants
+from glm53_serving.admission import Limits
 from glm53_serving.bench.serving import cpu_seconds, pin, upstream_timing
 from glm53_serving.models import tiny
 from glm53_serving.topology import free_port
 
 # One event as SGLang's /generate streams it (text so far, ids, meta_info): ~400 bytes.
-EVENT = b"data: " + json.dumps({
-    "text": "x" * 60, "output_ids": list(range(30)),
-    "meta_info": {"id": "0" * 32, "finish_reason": None, "prompt_tokens": 128, "completion_tokens": 5,
-                  "cached_tokens": 0, "e2e_latency": 0.123}}).encode() + b"\n\n"
+EVENT = (
+    b"data: "
+    + json.dumps(
+        {
+            "text": "x" * 60,
+            "output_ids": list(range(30)),
+            "meta_info": {
+                "id": "0" * 32,
+                "finish_reason": None,
+                "prompt_tokens": 128,
+                "completion_tokens": 5,
+                "cached_tokens": 0,
+                "e2e_latency": 0.123,
+            },
+        }
+    ).encode()
+    + b"\n\n"
+)
 
 
 def stand_in(port: int, events: int, step_s: float) -> None:
@@ -82,24 +96,38 @@ def bare_hop(port: int, upstream: str) -> None:
         while more:
             message = await receive()
             body, more = body + message.get("body", b""), message.get("more_body", False)
-        async with session.request(scope["method"], upstream + scope["path"], data=body or None,
-                                   headers={"content-type": "application/json"}) as r:
-            await send({"type": "http.response.start", "status": r.status,
-                        "headers": [(b"content-type", r.headers.get("content-type", "").encode())]})
+        async with session.request(
+            scope["method"], upstream + scope["path"], data=body or None, headers={"content-type": "application/json"}
+        ) as r:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": r.status,
+                    "headers": [(b"content-type", r.headers.get("content-type", "").encode())],
+                }
+            )
             async for chunk in r.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop", http="httptools")
+    uvicorn.run(
+        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop", http="httptools"
+    )
 
 
 async def load(url: str, key: str | None, a) -> dict:
-    body = json.dumps({"input_ids": list(range(128)), "stream": True,
-                       "sampling_params": {"max_new_tokens": a.events, "temperature": 0}}).encode()
+    body = json.dumps(
+        {
+            "input_ids": list(range(128)),
+            "stream": True,
+            "sampling_params": {"max_new_tokens": a.events, "temperature": 0},
+        }
+    ).encode()
     headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
     ttft, e2e, chunks = [], [], 0
     sem = asyncio.Semaphore(a.concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
         async def one():
             nonlocal chunks
             async with sem:
@@ -124,9 +152,12 @@ def main(argv=None) -> None:
     p.add_argument("--events", type=int, default=32, help="streamed events per request")
     p.add_argument("--step-ms", type=float, default=6.0, help="the stand-in's decode step")
     p.add_argument("--rounds", type=int, default=4, help="counted rounds per side, after one warm-up each")
-    p.add_argument("--hops-own-core", action="store_true",
-                   help="the bare hop and the gateway on the last core, the stand-in and the load on the others "
-                        "(as on a GPU host, where the gateway's core does not run the serving path)")
+    p.add_argument(
+        "--hops-own-core",
+        action="store_true",
+        help="the bare hop and the gateway on the last core, the stand-in and the load on the others "
+        "(as on a GPU host, where the gateway's core does not run the serving path)",
+    )
     p.add_argument("--stand-in", type=int, help=argparse.SUPPRESS)  # internal: serve the stand-in on this port
     p.add_argument("--bare-hop", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)  # internal, likewise
     a = p.parse_args(argv)
@@ -140,21 +171,60 @@ def main(argv=None) -> None:
         assert load_cores, "--hops-own-core needs 2 or more cores"
         os.sched_setaffinity(0, load_cores)
     tmp = Path(tempfile.mkdtemp(prefix="glm53-hop-"))
-    print(f"gateway hop: {a.requests} requests x {a.events} events, concurrency {a.concurrency}, "
-          f"{a.rounds} alternating rounds per side; gateway log in {tmp}")
+    print(
+        f"gateway hop: {a.requests} requests x {a.events} events, concurrency {a.concurrency}, "
+        f"{a.rounds} alternating rounds per side; gateway log in {tmp}"
+    )
     key_file, tenants_file = tenants.new_assertion_key(tmp / "assertion.key"), tmp / "tenants.toml"
     key = tenants.add_tenant(tenants_file, "bench")
     up_port, gw_port, bare_port = free_port(), free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, "--stand-in", str(up_port),
-                               "--events", str(a.events), "--step-ms", str(a.step_ms)])]
-    procs.append(subprocess.Popen([sys.executable, "-m", __spec__.name, "--bare-hop", str(bare_port),
-                                   f"http://127.0.0.1:{up_port}"]))
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", "glm53_serving.gateway", "--upstream", f"http://127.0.0.1:{up_port}",
-         "--model-path", str(tiny.ensure()), "--served-model-name", "glm53-tiny", "--context-length", "4096",
-         "--port", str(gw_port), "--tenants-file", str(tenants_file)],
-        env={**os.environ, LIMITS_ENV: Limits(4000, 4096, 4096).to_env(), tenants.KEY_FILE_ENV: str(key_file)},
-        stderr=(tmp / "gateway.log").open("w")))
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                __spec__.name,
+                "--stand-in",
+                str(up_port),
+                "--events",
+                str(a.events),
+                "--step-ms",
+                str(a.step_ms),
+            ]
+        )
+    ]
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", __spec__.name, "--bare-hop", str(bare_port), f"http://127.0.0.1:{up_port}"]
+        )
+    )
+    procs.append(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "glm53_serving.gateway",
+                "--upstream",
+                f"http://127.0.0.1:{up_port}",
+                "--model-path",
+                str(tiny.ensure()),
+                "--served-model-name",
+                "glm53-tiny",
+                "--context-length",
+                "4096",
+                "--port",
+                str(gw_port),
+                "--tenants-file",
+                str(tenants_file),
+            ],
+            env={
+                **os.environ,
+                env.DEPLOYMENT_LIMITS.name: Limits(4000, 4096, 4096).to_env(),
+                tenants.KEY_FILE_ENV: str(key_file),
+            },
+            stderr=(tmp / "gateway.log").open("w"),
+        )
+    )
     try:
         for port, proc in zip((up_port, bare_port, gw_port), procs):
             asyncio.run(_wait_up(f"http://127.0.0.1:{port}/health", proc))
@@ -163,12 +233,17 @@ def main(argv=None) -> None:
             for proc in procs[1:]:
                 pin(proc.pid, {hop_core})
             print(f"bare hop and gateway on core {hop_core}; stand-in and load on cores {load_cores}")
-        sides = {"straight": (f"http://127.0.0.1:{up_port}", None), "via bare hop": (f"http://127.0.0.1:{bare_port}", None),
-                 "via gateway": (f"http://127.0.0.1:{gw_port}", key)}
+        sides = {
+            "straight": (f"http://127.0.0.1:{up_port}", None),
+            "via bare hop": (f"http://127.0.0.1:{bare_port}", None),
+            "via gateway": (f"http://127.0.0.1:{gw_port}", key),
+        }
         runs = {side: [] for side in sides}
         for i in range(a.rounds + 1):
             order = list(sides.items())
-            for side, (url, k) in order[i % len(order):] + order[:i % len(order)]:  # who goes first rotates: the machine drifts
+            for side, (url, k) in (
+                order[i % len(order) :] + order[: i % len(order)]
+            ):  # who goes first rotates: the machine drifts
                 measured = [hop_process[side]] if side in hop_process else []
                 cpu0 = cpu_seconds(measured)
                 r = asyncio.run(load(url, k, a))
@@ -182,20 +257,29 @@ def main(argv=None) -> None:
             proc.wait(30)
     med = {side: {k: statistics.median(r[k] for r in rs) for k in ("ttft", "e2e")} for side, rs in runs.items()}
     for side, m in med.items():
-        print(f"{side:>12}: ttft p50 {m['ttft']:7.2f} ms, e2e p50 {m['e2e']:7.2f} ms  (rounds: "
-              + ", ".join(f"{r['e2e']:.1f}" for r in runs[side]) + ")")
+        print(
+            f"{side:>12}: ttft p50 {m['ttft']:7.2f} ms, e2e p50 {m['e2e']:7.2f} ms  (rounds: "
+            + ", ".join(f"{r['e2e']:.1f}" for r in runs[side])
+            + ")"
+        )
     for hop in hop_process:
-        print(f"{'added':>12}: {hop}: ttft p50 {med[hop]['ttft'] - med['straight']['ttft']:+.2f} ms, "
-              f"e2e p50 {med[hop]['e2e'] - med['straight']['e2e']:+.2f} ms")
-    print(f"{'':>12}  the gateway's own, beyond the bare hop: ttft p50 "
-          f"{med['via gateway']['ttft'] - med['via bare hop']['ttft']:+.2f} ms, e2e p50 "
-          f"{med['via gateway']['e2e'] - med['via bare hop']['e2e']:+.2f} ms; before forwarding (key, body, "
-          f"validation, count) {1000 * before_forwarding[0] / before_forwarding[1]:.3f} ms mean")
+        print(
+            f"{'added':>12}: {hop}: ttft p50 {med[hop]['ttft'] - med['straight']['ttft']:+.2f} ms, "
+            f"e2e p50 {med[hop]['e2e'] - med['straight']['e2e']:+.2f} ms"
+        )
+    print(
+        f"{'':>12}  the gateway's own, beyond the bare hop: ttft p50 "
+        f"{med['via gateway']['ttft'] - med['via bare hop']['ttft']:+.2f} ms, e2e p50 "
+        f"{med['via gateway']['e2e'] - med['via bare hop']['e2e']:+.2f} ms; before forwarding (key, body, "
+        f"validation, count) {1000 * before_forwarding[0] / before_forwarding[1]:.3f} ms mean"
+    )
     for hop in hop_process:
         per_req = [1000 * r["cpu_s"] / a.requests for r in runs[hop]]
         per_chunk = [1e6 * r["cpu_s"] / r["chunks"] for r in runs[hop]]
-        print(f"{'CPU':>12}: {hop}: {statistics.median(per_req):.2f} ms per request, "
-              f"{statistics.median(per_chunk):.0f} us per chunk (rounds: {', '.join(f'{x:.2f}' for x in per_req)} ms)")
+        print(
+            f"{'CPU':>12}: {hop}: {statistics.median(per_req):.2f} ms per request, "
+            f"{statistics.median(per_chunk):.0f} us per chunk (rounds: {', '.join(f'{x:.2f}' for x in per_req)} ms)"
+        )
 
 
 async def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:

@@ -52,8 +52,10 @@ def main(argv=None) -> None:
     alloc = TokenToKVPoolAllocator(a.slots, dtype, "cpu", pool, False)
     bufs = kv_guard.layer_buffers(pool)
     slot_bytes = sum(b[0].numel() * b.element_size() for b in bufs)
-    print(f"pool: {a.layers} layers x K,V x {a.heads} heads x {a.head_dim} ({a.dtype}), {a.slots} slots, "
-          f"{slot_bytes} B/slot, {slot_bytes * a.slots / 2**30:.2f} GiB; torch threads {torch.get_num_threads()}")
+    print(
+        f"pool: {a.layers} layers x K,V x {a.heads} heads x {a.head_dim} ({a.dtype}), {a.slots} slots, "
+        f"{slot_bytes} B/slot, {slot_bytes * a.slots / 2**30:.2f} GiB; torch threads {torch.get_num_threads()}"
+    )
 
     # (1) bandwidth against memset on a buffer of the same size (touched first: no page faults)
     nbytes = slot_bytes * a.alloc
@@ -66,7 +68,9 @@ def main(argv=None) -> None:
     print(f"torch.zero_ on {nbytes / 2**20:.1f} MiB: {nbytes / t_memset / 1e9:.2f} GB/s (the memset limit)")
     for label, idx in cases.items():
         t_zero = best_of(lambda: kv_guard.zero_slots(pool, idx), 5, 5)
-        print(f"zeroing {a.alloc} slots, {label}: {nbytes / t_zero / 1e9:.2f} GB/s -> {t_memset / t_zero:.2f}x of memset")
+        print(
+            f"zeroing {a.alloc} slots, {label}: {nbytes / t_zero / 1e9:.2f} GB/s -> {t_memset / t_zero:.2f}x of memset"
+        )
 
     # (2) allocator ops/s: upstream, + zeroing, + zeroing and owner tags; same allocator
     owner = kv_owner.namespace_id("bench-tenant", None)
@@ -83,15 +87,18 @@ def main(argv=None) -> None:
             alloc.free(got)
             if tags:
                 kv_owner.reset_after_free(None, alloc, got)
+
         return run
 
     for label, n, inner in (("prefill-sized alloc+free", a.alloc, 20), ("decode step alloc+free (1 slot)", 1, 2000)):
         up = best_of(cycle(n, False, False), 5, inner)
         zero = best_of(cycle(n, True, False), 5, inner)
         tagged = best_of(cycle(n, True, True), 5, inner)
-        print(f"{label}: upstream {1 / up:,.0f} ops/s, +zeroing {1 / zero:,.0f} ops/s ({up / zero:.3f}x, "
-              f"+{(zero - up) * 1e6:.1f} us), +zeroing+tags {1 / tagged:,.0f} ops/s ({up / tagged:.3f}x, "
-              f"tags +{(tagged - zero) * 1e6:.1f} us per op)")
+        print(
+            f"{label}: upstream {1 / up:,.0f} ops/s, +zeroing {1 / zero:,.0f} ops/s ({up / zero:.3f}x, "
+            f"+{(zero - up) * 1e6:.1f} us), +zeroing+tags {1 / tagged:,.0f} ops/s ({up / tagged:.3f}x, "
+            f"tags +{(tagged - zero) * 1e6:.1f} us per op)"
+        )
 
     # (3) the owner check per batch build: rows of every request, all positions < length
     for bs, length in ((8, 2048), (64, 256), (8, 160)):
@@ -103,8 +110,10 @@ def main(argv=None) -> None:
         rows, owners = torch.arange(1, bs + 1), torch.full((bs,), owner, dtype=torch.int64)
         t = best_of(lambda: bool(kv_owner.foreign(alloc, r2t, rows, lens, length, owners).any()), 5, 20)
         assert not kv_owner.foreign(alloc, r2t, rows, lens, length, owners).any()
-        print(f"owner check, batch {bs} x {length} positions: {t * 1e6:.1f} us per batch build "
-              f"({t * 1e9 / (bs * length):.2f} ns per position)")
+        print(
+            f"owner check, batch {bs} x {length} positions: {t * 1e6:.1f} us per batch build "
+            f"({t * 1e9 / (bs * length):.2f} ns per position)"
+        )
         alloc.free(got)
         kv_owner.reset_after_free(None, alloc, got)
 

@@ -40,15 +40,19 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from glm53_serving import tenants
+from glm53_serving.env import KV_GUARD_OFF, SERVING_DISABLE
 from glm53_serving.hooks import KV_PARTS
 from glm53_serving.launch import Tenancy
-from glm53_serving.plugin import KV_OFF_ENV
 from glm53_serving.models import tiny
 
 
 def start(run_dir: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen([sys.executable, "-m", "glm53_serving.launch", "--run-dir", str(run_dir), *args],
-                            env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glm53_serving.launch", "--run-dir", str(run_dir), *args],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ready = run_dir / "ready.json"
     while not ready.exists():
         if proc.poll() is not None:
@@ -81,19 +85,52 @@ def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[d
     all at once; each one's result record (bench_serving's keys)."""
     procs = []
     for url, out, key, seed in jobs:
-        args = ["--backend", "sglang", "--base-url", url, "--dataset-name", "random-ids", "--tokenizer",
-                str(tiny.ensure()), "--model", "glm53-tiny", "--num-prompts", str(a.num_prompts),
-                "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-                "--random-range-ratio", "1.0", "--request-rate", str(a.request_rate),
-                "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", str(out), "--seed", str(seed),
-                # The warm-up rounds warm up; a request outside the counted ones would also enter the
-                # gateway's upstream timing, which must cover exactly the round's requests.
-                "--warmup-requests", "0"]
+        args = [
+            "--backend",
+            "sglang",
+            "--base-url",
+            url,
+            "--dataset-name",
+            "random-ids",
+            "--tokenizer",
+            str(tiny.ensure()),
+            "--model",
+            "glm53-tiny",
+            "--num-prompts",
+            str(a.num_prompts),
+            "--random-input-len",
+            str(a.input_len),
+            "--random-output-len",
+            str(a.output_len),
+            "--random-range-ratio",
+            "1.0",
+            "--request-rate",
+            str(a.request_rate),
+            "--max-concurrency",
+            str(concurrency),
+            "--disable-tqdm",
+            "--output-file",
+            str(out),
+            "--seed",
+            str(seed),
+            # The warm-up rounds warm up; a request outside the counted ones would also enter the
+            # gateway's upstream timing, which must cover exactly the round's requests.
+            "--warmup-requests",
+            "0",
+        ]
         if a.client == "rust":
             # sglang.bench_serving's Rust port (its --rust-client): same dataset, metrics and result
             # keys; starts in milliseconds instead of ~20 s and parses streams off the interpreter.
-            cmd = [sys.executable, "-m", "glm53_serving.bench.rust_client", *args, "--worker-threads", "1",
-                   "--header", f"Authorization: Bearer {key}"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "glm53_serving.bench.rust_client",
+                *args,
+                "--worker-threads",
+                "1",
+                "--header",
+                f"Authorization: Bearer {key}",
+            ]
             env = dict(os.environ)
         else:
             cmd = [sys.executable, "-m", "sglang.bench_serving", *args]
@@ -103,8 +140,10 @@ def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[d
     for (_, out, _, _), proc in zip(jobs, procs):
         _, err = proc.communicate()
         if proc.returncode:
-            raise SystemExit(f"{proc.args[2]} failed ({proc.returncode}):\n{err[-3000:]}\n"
-                             "(the Python client's datasets dependency: GLM53_BENCH=1 scripts/setup)")
+            raise SystemExit(
+                f"{proc.args[2]} failed ({proc.returncode}):\n{err[-3000:]}\n"
+                "(the Python client's datasets dependency: GLM53_BENCH=1 scripts/setup)"
+            )
         results.append(json.loads(out.read_text().splitlines()[-1]))
     return results
 
@@ -116,24 +155,32 @@ def compare(name_a: str, runs_a: list[dict], name_b: str, runs_b: list[dict]) ->
     keys = ("output_throughput", "median_e2e_latency_ms", "p99_e2e_latency_ms", "median_ttft_ms")
     for name, runs in ((name_a, runs_a), (name_b, runs_b)):
         for i, r in enumerate(runs):
-            print(f"{name:>22} round {i}: {r['output_throughput']:8.1f} tok/s, e2e p50 {r['median_e2e_latency_ms']:8.2f} ms, "
-                  f"ttft p50 {r['median_ttft_ms']:8.2f} ms, itl p50 {r['median_itl_ms']:6.2f} ms")
+            print(
+                f"{name:>22} round {i}: {r['output_throughput']:8.1f} tok/s, e2e p50 {r['median_e2e_latency_ms']:8.2f} ms, "
+                f"ttft p50 {r['median_ttft_ms']:8.2f} ms, itl p50 {r['median_itl_ms']:6.2f} ms"
+            )
 
     ta, pa50, pa99, fa50 = (statistics.median(r[k] for r in runs_a) for k in keys)
     tb, pb50, pb99, fb50 = (statistics.median(r[k] for r in runs_b) for k in keys)
     print(f"{name_a:>22}: {ta:8.1f} output tok/s, e2e p50 {pa50:8.2f} ms, p99 {pa99:8.2f} ms, ttft p50 {fa50:8.2f} ms")
     print(f"{name_b:>22}: {tb:8.1f} output tok/s, e2e p50 {pb50:8.2f} ms, p99 {pb99:8.2f} ms, ttft p50 {fb50:8.2f} ms")
-    print(f"{'ratio':>22}: throughput {ta / tb:.3f}x, added p50 {pa50 - pb50:+.2f} ms, added p99 {pa99 - pb99:+.2f} ms, "
-          f"added ttft p50 {fa50 - fb50:+.2f} ms")
+    print(
+        f"{'ratio':>22}: throughput {ta / tb:.3f}x, added p50 {pa50 - pb50:+.2f} ms, added p99 {pa99 - pb99:+.2f} ms, "
+        f"added ttft p50 {fa50 - fb50:+.2f} ms"
+    )
     pairs = list(zip(runs_a, runs_b))
     ratio = [a["output_throughput"] / b["output_throughput"] for a, b in pairs]
     added = {k: [a[k] - b[k] for a, b in pairs] for k in keys[1:]}
-    print(f"{'paired rounds':>22}: throughput ratio {', '.join(f'{x:.3f}' for x in ratio)}; "
-          f"median {statistics.median(ratio):.3f}x")
-    print(f"{'':>22}  added e2e p50 {', '.join(f'{x:+.1f}' for x in added['median_e2e_latency_ms'])} ms; "
-          f"median {statistics.median(added['median_e2e_latency_ms']):+.2f} ms, "
-          f"p99 median {statistics.median(added['p99_e2e_latency_ms']):+.2f} ms, "
-          f"ttft p50 median {statistics.median(added['median_ttft_ms']):+.2f} ms")
+    print(
+        f"{'paired rounds':>22}: throughput ratio {', '.join(f'{x:.3f}' for x in ratio)}; "
+        f"median {statistics.median(ratio):.3f}x"
+    )
+    print(
+        f"{'':>22}  added e2e p50 {', '.join(f'{x:+.1f}' for x in added['median_e2e_latency_ms'])} ms; "
+        f"median {statistics.median(added['median_e2e_latency_ms']):+.2f} ms, "
+        f"p99 median {statistics.median(added['p99_e2e_latency_ms']):+.2f} ms, "
+        f"ttft p50 median {statistics.median(added['median_ttft_ms']):+.2f} ms"
+    )
 
 
 def main(argv=None) -> None:
@@ -145,23 +192,36 @@ def main(argv=None) -> None:
     p.add_argument("--request-rate", default="inf")
     p.add_argument("--topology", choices=("pd", "single"), default="pd", help="gateway: the deployment to drive")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--gateway-own-core", action="store_true",
-                   help="gateway: run it on the last core and everything else (workers, router, load generator) on "
-                        "the others, as on a GPU host where the gateway's CPU is not the serving path's")
-    p.add_argument("--simultaneous", action="store_true",
-                   help="gateway: run both sides at once, each at half the concurrency, in the same batches, so "
-                        "that the machine's drift cancels; the gateway's CPU then slows both sides alike, so this "
-                        "measures the hop's latency: use it with --gateway-own-core")
+    p.add_argument(
+        "--gateway-own-core",
+        action="store_true",
+        help="gateway: run it on the last core and everything else (workers, router, load generator) on "
+        "the others, as on a GPU host where the gateway's CPU is not the serving path's",
+    )
+    p.add_argument(
+        "--simultaneous",
+        action="store_true",
+        help="gateway: run both sides at once, each at half the concurrency, in the same batches, so "
+        "that the machine's drift cancels; the gateway's CPU then slows both sides alike, so this "
+        "measures the hop's latency: use it with --gateway-own-core",
+    )
     p.add_argument("--vs-upstream", action="store_true", help="kv_guard: compare with the whole plugin off")
-    p.add_argument("--client", choices=("rust", "python"), default="rust",
-                   help="the load generator: sglang.bench_serving's Rust client (default) or its Python one")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="counted rounds per side, after one warm-up round each (default 8)")
+    p.add_argument(
+        "--client",
+        choices=("rust", "python"),
+        default="rust",
+        help="the load generator: sglang.bench_serving's Rust client (default) or its Python one",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=None, help="counted rounds per side, after one warm-up round each (default 8)"
+    )
     a = p.parse_args(argv)
     a.rounds = a.rounds or 8
     tmp = Path(tempfile.mkdtemp(prefix="glm53-bench-"))
-    print(f"{a.what}: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
-          f"{a.rounds} rounds per side ({'both sides at once' if a.simultaneous else 'alternating'}); logs in {tmp}")
+    print(
+        f"{a.what}: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
+        f"{a.rounds} rounds per side ({'both sides at once' if a.simultaneous else 'alternating'}); logs in {tmp}"
+    )
     if a.what == "gateway":
         if a.gateway_own_core:  # inherited by the launcher's children and the load generator
             *serving_cores, gateway_core = sorted(os.sched_getaffinity(0))
@@ -178,12 +238,16 @@ def main(argv=None) -> None:
             hop = {name: psutil.Process(process(info, name)["pid"]) for name in ("gateway", behind)}
             cpu_s, requests = {name: 0.0 for name in hop}, {name: 0 for name in hop}
             sides = [("gateway", info["client_url"]), ("router", router)]
-            inband = {"ttft": [], "e2e": [], "admission": []}  # per round: the client's mean less the gateway's upstream mean
+            inband = {
+                "ttft": [],
+                "e2e": [],
+                "admission": [],
+            }  # per round: the client's mean less the gateway's upstream mean
             for i in range(a.rounds + 1):
                 if a.simultaneous:  # both sides in the same batches, each at half the concurrency
                     rounds = [sides]
                 else:  # one side at a time; who goes first alternates too
-                    rounds = [[side] for side in sides[::1 if i % 2 else -1]]
+                    rounds = [[side] for side in sides[:: 1 if i % 2 else -1]]
                 for together in rounds:
                     before = {name: cpu_seconds([p]) for name, p in hop.items()}
                     timing = upstream_timing(info["client_url"])
@@ -194,8 +258,14 @@ def main(argv=None) -> None:
                     # always the gateway's, waited a whole request (~400 ms) behind the straight one.
                     # (Two tenants alone with the same prompts were not enough: p99 +262 ms, measured.)
                     order = [(k + i) % len(together) for k in range(len(together))]
-                    results = bench([(url, tmp / f"{side}-{i}.jsonl", credential(info, side, Tenancy.DEMO_TENANTS[o]), 1 + o)
-                                     for (side, url), o in zip(together, order)], a, a.concurrency // len(together))
+                    results = bench(
+                        [
+                            (url, tmp / f"{side}-{i}.jsonl", credential(info, side, Tenancy.DEMO_TENANTS[o]), 1 + o)
+                            for (side, url), o in zip(together, order)
+                        ],
+                        a,
+                        a.concurrency // len(together),
+                    )
                     if not i:
                         continue
                     for (side, _), r in zip(together, results):
@@ -210,22 +280,34 @@ def main(argv=None) -> None:
                         now = upstream_timing(info["client_url"])
                         upstream = {k: (now[k][0] - timing[k][0], now[k][1] - timing[k][1]) for k in now}
                         assert all(n == via["completed"] for _, n in upstream.values()), (upstream, via["completed"])
-                        inband["ttft"].append(via["mean_ttft_ms"] - 1000 * upstream["upstream_first_chunk"][0] / via["completed"])
-                        inband["e2e"].append(via["mean_e2e_latency_ms"] - 1000 * upstream["upstream_response"][0] / via["completed"])
+                        inband["ttft"].append(
+                            via["mean_ttft_ms"] - 1000 * upstream["upstream_first_chunk"][0] / via["completed"]
+                        )
+                        inband["e2e"].append(
+                            via["mean_e2e_latency_ms"] - 1000 * upstream["upstream_response"][0] / via["completed"]
+                        )
                         inband["admission"].append(1000 * upstream["admission"][0] / via["completed"])
         finally:
             stop(proc)
         compare("via gateway", runs["gateway"], f"straight to {behind}", runs["router"])
         per = {name: 1000 * cpu_s[name] / requests[name] for name in cpu_s}
-        print(f"{'CPU per request':>22}: gateway {per['gateway']:.2f} ms, {behind} {per[behind]:.2f} ms "
-              f"(process CPU time over the counted rounds with the gateway, {requests['gateway']} requests through it)")
-        print(f"{'in-band, per round':>22}: added mean ttft {', '.join(f'{x:+.2f}' for x in inband['ttft'])} ms; "
-              f"median {statistics.median(inband['ttft']):+.2f} ms")
-        print(f"{'':>22}  added mean e2e {', '.join(f'{x:+.2f}' for x in inband['e2e'])} ms; "
-              f"median {statistics.median(inband['e2e']):+.2f} ms "
-              "(the same requests: the load generator's mean less the gateway's own view of the upstream's)")
-        print(f"{'':>22}  of which before forwarding (key, body, validation, count) "
-              f"{', '.join(f'{x:.3f}' for x in inband['admission'])} ms; median {statistics.median(inband['admission']):.3f} ms")
+        print(
+            f"{'CPU per request':>22}: gateway {per['gateway']:.2f} ms, {behind} {per[behind]:.2f} ms "
+            f"(process CPU time over the counted rounds with the gateway, {requests['gateway']} requests through it)"
+        )
+        print(
+            f"{'in-band, per round':>22}: added mean ttft {', '.join(f'{x:+.2f}' for x in inband['ttft'])} ms; "
+            f"median {statistics.median(inband['ttft']):+.2f} ms"
+        )
+        print(
+            f"{'':>22}  added mean e2e {', '.join(f'{x:+.2f}' for x in inband['e2e'])} ms; "
+            f"median {statistics.median(inband['e2e']):+.2f} ms "
+            "(the same requests: the load generator's mean less the gateway's own view of the upstream's)"
+        )
+        print(
+            f"{'':>22}  of which before forwarding (key, body, validation, count) "
+            f"{', '.join(f'{x:.3f}' for x in inband['admission'])} ms; median {statistics.median(inband['admission']):.3f} ms"
+        )
     else:
         # Both deployments up at once (an idle one sleeps: --sleep-on-idle), rounds alternating,
         # so that drift of the machine hits both sides alike.
@@ -233,7 +315,7 @@ def main(argv=None) -> None:
         try:
             # Off: the KV guard's three parts only (tenants, validation, admission stay on, so the
             # difference is the KV guard's); --vs-upstream: the whole plugin off.
-            off = {"GLM53_SERVING_DISABLE": "1"} if a.vs_upstream else {KV_OFF_ENV: ",".join(KV_PARTS)}
+            off = {SERVING_DISABLE.name: "1"} if a.vs_upstream else {KV_GUARD_OFF.name: ",".join(KV_PARTS)}
             for side, env in (("on", {}), ("off", off)):
                 deployments[side] = start(tmp / side, "--topology", "single", env=env)
             # The server's CPU (HTTP process + scheduler) per output token: what the guard adds,
@@ -243,8 +325,11 @@ def main(argv=None) -> None:
             for i in range(a.rounds + 1):
                 for side, (_, info) in deployments.items():
                     before = cpu_seconds(tree[side])
-                    [r] = bench([(process(info, "server")["url"], tmp / f"{side}-{i}.jsonl", credential(info, "server"), 1)],
-                                a, a.concurrency)
+                    [r] = bench(
+                        [(process(info, "server")["url"], tmp / f"{side}-{i}.jsonl", credential(info, "server"), 1)],
+                        a,
+                        a.concurrency,
+                    )
                     if i:
                         runs[side].append(r)
                         cpu[side].append(1e6 * (cpu_seconds(tree[side]) - before) / r["total_output_tokens"])
@@ -254,8 +339,10 @@ def main(argv=None) -> None:
         off_name = "whole plugin off" if a.vs_upstream else "kv guard off"
         compare("kv guard on", runs["on"], off_name, runs["off"])
         c_on, c_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
-        print(f"{'server CPU per token':>22}: on {c_on:.0f} us, off {c_off:.0f} us -> {c_off / c_on:.3f}x "
-              f"(rounds: on {', '.join(f'{x:.0f}' for x in cpu['on'])}; off {', '.join(f'{x:.0f}' for x in cpu['off'])})")
+        print(
+            f"{'server CPU per token':>22}: on {c_on:.0f} us, off {c_off:.0f} us -> {c_off / c_on:.3f}x "
+            f"(rounds: on {', '.join(f'{x:.0f}' for x in cpu['on'])}; off {', '.join(f'{x:.0f}' for x in cpu['off'])})"
+        )
 
 
 def upstream_timing(gateway_url: str) -> dict[str, tuple[float, int]]:

@@ -16,15 +16,21 @@ from glm53_serving.gateway.app import GatewayConfig, build_app
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m glm53_serving.gateway", description=__doc__)
     p.add_argument("--upstream", required=True, help="the router (PD) or the single server")
-    p.add_argument("--model-path", required=True, help="checkpoint directory: its tokenizer and chat template count prompts")
+    p.add_argument(
+        "--model-path", required=True, help="checkpoint directory: its tokenizer and chat template count prompts"
+    )
     p.add_argument("--served-model-name", required=True)
     p.add_argument("--context-length", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument("--upstream-timeout-s", type=float, default=600.0)
-    p.add_argument("--tenants-file", type=Path, default=None,
-                   help=f"API key hashes -> tenants; needs ${tenants.KEY_FILE_ENV}. Without it: no authentication")
+    p.add_argument(
+        "--tenants-file",
+        type=Path,
+        default=None,
+        help=f"API key hashes -> tenants; needs ${tenants.KEY_FILE_ENV}. Without it: no authentication",
+    )
     p.add_argument("--max-n", type=int, default=validation.MAX_N, help="largest `n` (samples per request) to accept")
     a = p.parse_args(argv)
     limits = Limits.from_env()
@@ -33,13 +39,21 @@ def main(argv: list[str] | None = None) -> None:
     key = tenants.load_assertion_key()
     if (a.tenants_file is None) != (key is None):
         p.error(f"--tenants-file and ${tenants.KEY_FILE_ENV} go together (tenants on), or neither (off)")
-    cfg = GatewayConfig(upstream=a.upstream, model_path=a.model_path, served_model_name=a.served_model_name,
-                        context_length=a.context_length, limits=limits, max_body_bytes=a.max_body_bytes,
-                        upstream_timeout_s=a.upstream_timeout_s, max_n=a.max_n,
-                        tenants=tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None,
-                        assertion_key=key)
-    uvicorn.run(built(cfg), host=a.host, port=a.port, log_level="warning", access_log=False,
-                loop="uvloop", http="httptools")
+    cfg = GatewayConfig(
+        upstream=a.upstream,
+        model_path=a.model_path,
+        served_model_name=a.served_model_name,
+        context_length=a.context_length,
+        limits=limits,
+        max_body_bytes=a.max_body_bytes,
+        upstream_timeout_s=a.upstream_timeout_s,
+        max_n=a.max_n,
+        tenants=tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None,
+        assertion_key=key,
+    )
+    uvicorn.run(
+        built(cfg), host=a.host, port=a.port, log_level="warning", access_log=False, loop="uvloop", http="httptools"
+    )
 
 
 def built(cfg: GatewayConfig):

@@ -38,13 +38,27 @@ AFFINITY_HEADER = "x-session-affinity"  # what agent clients send (the incident'
 ROUTING_KEY_HEADER = "x-smg-routing-key"  # what sglang-router's manual policy routes on
 # Hop-by-hop and length headers are the transport's business; the client's credential and any
 # routing key it names are replaced by ours.
-_DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding",
-                         "authorization", AFFINITY_HEADER, ROUTING_KEY_HEADER}
+_DROP_REQUEST_HEADERS = {
+    "host",
+    "content-length",
+    "connection",
+    "transfer-encoding",
+    "accept-encoding",
+    "authorization",
+    AFFINITY_HEADER,
+    ROUTING_KEY_HEADER,
+}
 UNAUTHENTICATED = "-"  # the tenant label of requests refused before a tenant was known
 # Body fields only the deployment sets: the PD handoff (a fake or foreign bootstrap host makes
 # decode read pages nothing wrote) and the data-parallel placement.
-DEPLOYMENT_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
-                     "routed_dp_rank", "disagg_prefill_dp_rank")
+DEPLOYMENT_FIELDS = (
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "routed_dp_rank",
+    "disagg_prefill_dp_rank",
+)
 _PASS_RESPONSE_HEADERS = {"content-type", "cache-control"}
 # Prompts longer than this are encoded off the event loop: every stream through the gateway waits
 # while the loop encodes (~2 µs a token here), and the tokenizer releases the GIL.
@@ -106,28 +120,41 @@ class Gateway:
         self.validator = RequestChecks.for_model(cfg.model_path, self.counter.tokenizer, cfg.max_n)
         self._session: aiohttp.ClientSession | None = None  # made on the server's loop (start())
         self.registry = CollectorRegistry()
-        self.requests = Counter("glm53_gateway_requests", "Requests answered by the gateway",
-                                ["tenant", "endpoint", "status", "reason"], registry=self.registry)
+        self.requests = Counter(
+            "glm53_gateway_requests",
+            "Requests answered by the gateway",
+            ["tenant", "endpoint", "status", "reason"],
+            registry=self.registry,
+        )
         # The gateway's own time before forwarding, and the upstream's share of each answer's
         # latency as the gateway sees it: the client's latency less the upstream's is what the
         # gateway adds (bench.serving prints it per round).
         self.upstream_timing = UpstreamTiming(
-            Summary("glm53_gateway_admission_seconds",
-                    "From the request's handler to sending it upstream: key, body, validation, prompt count",
-                    registry=self.registry),
-            Summary("glm53_gateway_upstream_first_chunk_seconds",
-                    "From sending a request upstream to its answer's first body chunk (2xx answers)", registry=self.registry),
-            Summary("glm53_gateway_upstream_response_seconds",
-                    "From sending a request upstream to its answer's last byte (2xx answers read to the end)",
-                    registry=self.registry))
+            Summary(
+                "glm53_gateway_admission_seconds",
+                "From the request's handler to sending it upstream: key, body, validation, prompt count",
+                registry=self.registry,
+            ),
+            Summary(
+                "glm53_gateway_upstream_first_chunk_seconds",
+                "From sending a request upstream to its answer's first body chunk (2xx answers)",
+                registry=self.registry,
+            ),
+            Summary(
+                "glm53_gateway_upstream_response_seconds",
+                "From sending a request upstream to its answer's last byte (2xx answers read to the end)",
+                registry=self.registry,
+            ),
+        )
         self.assertions = tenants.AssertionCache(cfg.assertion_key) if cfg.assertion_key else None
         # Two threads: long prompts wait their turn rather than take every core from the workers.
         self._encoders = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="glm53-encode")
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
-                                          sock_read=self.cfg.upstream_timeout_s),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.cfg.connect_timeout_s, sock_read=self.cfg.upstream_timeout_s
+            ),
             # Idle upstream connections are dropped before the far end's keep-alive (uvicorn's
             # 5 s in SGLang) can close one under a request we are sending on it.
             connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
@@ -156,14 +183,20 @@ class Gateway:
         limit = self.cfg.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ClientError("request_too_large", f"Request body is {declared} bytes; the limit is {limit}.",
-                              details={"max_body_bytes": limit})
+            raise ClientError(
+                "request_too_large",
+                f"Request body is {declared} bytes; the limit is {limit}.",
+                details={"max_body_bytes": limit},
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ClientError("request_too_large", f"Request body exceeds the limit of {limit} bytes.",
-                                  details={"max_body_bytes": limit})
+                raise ClientError(
+                    "request_too_large",
+                    f"Request body exceeds the limit of {limit} bytes.",
+                    details={"max_body_bytes": limit},
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -198,8 +231,9 @@ class Gateway:
         self.validator.check(endpoint, body)
         for name in DEPLOYMENT_FIELDS:
             if name in body:
-                raise ClientError("invalid_request_error", f"{name} is set by the deployment, not by clients.",
-                                  param=name)
+                raise ClientError(
+                    "invalid_request_error", f"{name} is set by the deployment, not by clients.", param=name
+                )
         try:
             prompt, max_new = self.counter.prompt_of(endpoint, body)
         except Uncountable:
@@ -234,14 +268,28 @@ class Gateway:
         self.upstream_timing.admission.observe(sent - started)
         try:
             upstream = await self._session.request(
-                request.method, self.cfg.upstream + endpoint, headers=self.upstream_headers(request, tenant),
-                data=raw, params=request.query_params.multi_items())
-        except asyncio.TimeoutError:
-            return self._answer(tenant, endpoint, 504, _server_error("The model server did not answer in time.",
-                                                                     "upstream_timeout"), reason="upstream_timeout")
+                request.method,
+                self.cfg.upstream + endpoint,
+                headers=self.upstream_headers(request, tenant),
+                data=raw,
+                params=request.query_params.multi_items(),
+            )
+        except TimeoutError:
+            return self._answer(
+                tenant,
+                endpoint,
+                504,
+                _server_error("The model server did not answer in time.", "upstream_timeout"),
+                reason="upstream_timeout",
+            )
         except aiohttp.ClientError as e:
-            return self._answer(tenant, endpoint, 502, _server_error(f"The model server is unreachable: {type(e).__name__}.",
-                                                             "upstream_unavailable"), reason="upstream_unavailable")
+            return self._answer(
+                tenant,
+                endpoint,
+                502,
+                _server_error(f"The model server is unreachable: {type(e).__name__}.", "upstream_unavailable"),
+                reason="upstream_unavailable",
+            )
         if upstream.status >= 400:
             return await self._honest_error(tenant, endpoint, upstream)
         self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(upstream.status), reason="").inc()
@@ -253,7 +301,7 @@ class Gateway:
         status = upstream.status
         try:
             raw = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             raw = b""  # the status stands; the body below says the server's was lost
         finally:
             upstream.release()
@@ -266,8 +314,15 @@ class Gateway:
                     return restored
                 code = err.get("code") if isinstance(err.get("code"), str) else "upstream_error"
                 # The contract's keys, whatever the router rewrote (PD: type "Bad Request", no param).
-                body = {"error": {**err, "message": str(err["message"]), "param": err.get("param"), "code": code,
-                                  "type": "invalid_request_error" if status < 500 else "server_error"}}
+                body = {
+                    "error": {
+                        **err,
+                        "message": str(err["message"]),
+                        "param": err.get("param"),
+                        "code": code,
+                        "type": "invalid_request_error" if status < 500 else "server_error",
+                    }
+                }
                 return self._answer(tenant, endpoint, status, body, reason=code)
         except (UnicodeDecodeError, json.JSONDecodeError):
             pass
@@ -277,10 +332,20 @@ class Gateway:
         restored = self._contract_error_in(tenant, endpoint, status, text)
         if restored is not None:
             return restored
-        return self._answer(tenant, endpoint, status, {"error": {
-            "message": f"The model server answered {status}: {text[:500]}",
-            "type": "invalid_request_error" if status < 500 else "server_error",
-            "param": None, "code": "upstream_error"}}, reason="upstream_error")
+        return self._answer(
+            tenant,
+            endpoint,
+            status,
+            {
+                "error": {
+                    "message": f"The model server answered {status}: {text[:500]}",
+                    "type": "invalid_request_error" if status < 500 else "server_error",
+                    "param": None,
+                    "code": "upstream_error",
+                }
+            },
+            reason="upstream_error",
+        )
 
     def _contract_error_in(self, tenant: str, endpoint: str, status: int, text) -> JSONResponse | None:
         """The worker's own contract error inside a router-rewritten error text: its whole body,
@@ -293,32 +358,46 @@ class Gateway:
         if kv is None:
             return None
         code, message = kv
-        return self._answer(tenant, endpoint, CONTRACT[code][0], {"error": {
-            "message": message, "type": CONTRACT[code][1], "param": None, "code": code}}, reason=code)
+        return self._answer(
+            tenant,
+            endpoint,
+            CONTRACT[code][0],
+            {"error": {"message": message, "type": CONTRACT[code][1], "param": None, "code": code}},
+            reason=code,
+        )
 
     def _answer(self, tenant: str, endpoint: str, status: int, body: dict, reason: str) -> JSONResponse:
         self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(status), reason=reason).inc()
         return error_response(status, body)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.cfg.served_model_name, "object": "model", "owned_by": "glm53_serving",
-            "max_model_len": self.cfg.context_length,
-            "max_input_tokens": self.cfg.limits.max_input_tokens - 1,
-        }]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.cfg.served_model_name,
+                        "object": "model",
+                        "owned_by": "glm53_serving",
+                        "max_model_len": self.cfg.context_length,
+                        "max_input_tokens": self.cfg.limits.max_input_tokens - 1,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         try:
             async with self._session.get(self.cfg.upstream + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
                 return Response(status_code=200 if r.status == 200 else 503)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return Response(status_code=503)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
 
-def build_app(cfg: GatewayConfig) -> "GatewayApp":
+def build_app(cfg: GatewayConfig) -> GatewayApp:
     gw = Gateway(cfg)
     routes = [Route(p, gw.generation, methods=["POST"]) for p in GENERATION]
     routes += [Route(p, gw.tenant_object, methods=["POST"]) for p in TENANT_OBJECTS]
@@ -327,6 +406,7 @@ def build_app(cfg: GatewayConfig) -> "GatewayApp":
         Route("/health", gw.health, methods=["GET"]),
         Route("/metrics", gw.metrics, methods=["GET"]),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await gw.start()
@@ -356,8 +436,13 @@ class GatewayApp:
             response = await handler(Request(scope, receive))
         except Exception:
             logger.exception("gateway error on %s", scope["path"])
-            response = self.gateway._answer(UNAUTHENTICATED, scope["path"], 500, _server_error(
-                "The gateway failed on this request.", "internal_error"), reason="internal_error")
+            response = self.gateway._answer(
+                UNAUTHENTICATED,
+                scope["path"],
+                500,
+                _server_error("The gateway failed on this request.", "internal_error"),
+                reason="internal_error",
+            )
         await response(scope, receive, send)  # a failure past the first byte closes the connection
 
 
@@ -379,8 +464,11 @@ class UpstreamStream(Response):
     def __init__(self, upstream: aiohttp.ClientResponse, sent: float, timing: UpstreamTiming):
         self.upstream, self.sent, self.timing = upstream, sent, timing
         self.status_code = upstream.status
-        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                            for k, v in upstream.headers.items() if k.lower() in _PASS_RESPONSE_HEADERS]
+        self.raw_headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in upstream.headers.items()
+            if k.lower() in _PASS_RESPONSE_HEADERS
+        ]
 
     async def __call__(self, scope, receive, send) -> None:
         upstream, client_gone = self.upstream, asyncio.Event()

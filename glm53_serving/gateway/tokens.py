@@ -37,15 +37,20 @@ def tokens_at_most_bytes(backend_json: str) -> bool:
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
-    return (bool(byte_level) and not any(s.get("add_prefix_space") for s in byte_level)
-            and all(s.get("type") in _SPLIT_ONLY | {"ByteLevel"} for s in steps))
+    return (
+        bool(byte_level)
+        and not any(s.get("add_prefix_space") for s in byte_level)
+        and all(s.get("type") in _SPLIT_ONLY | {"ByteLevel"} for s in steps)
+    )
 
 
 @dataclass(slots=True)
 class PromptCounter:
     model_path: str
     _tok: Any = None
-    bounded_by_bytes: bool = field(init=False, default=False)  # tokens <= UTF-8 bytes holds for this tokenizer (checked, not assumed)
+    bounded_by_bytes: bool = field(
+        init=False, default=False
+    )  # tokens <= UTF-8 bytes holds for this tokenizer (checked, not assumed)
 
     def __post_init__(self):
         from transformers import AutoTokenizer

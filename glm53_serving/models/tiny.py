@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from glm53_serving import env
+
 SEED = 20260814  # GLM-5.3's launch date
 RECIPE_VERSION = 1
 # Special tokens in GLM's chat format; id 0 is end-of-text so that pad/eos are the same token.
@@ -84,15 +86,21 @@ import torch\nfor i in range(10):\n    x = torch.zeros(4, 4)\n    y = x @ x.T\n
 
 def recipe_hash() -> str:
     blob = json.dumps(
-        {"v": RECIPE_VERSION, "seed": SEED, "config": CONFIG, "tpl": CHAT_TEMPLATE,
-         "corpus": _CORPUS, "special": SPECIAL_TOKENS},
+        {
+            "v": RECIPE_VERSION,
+            "seed": SEED,
+            "config": CONFIG,
+            "tpl": CHAT_TEMPLATE,
+            "corpus": _CORPUS,
+            "special": SPECIAL_TOKENS,
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def cache_root() -> Path:
-    base = os.environ.get("GLM53_CACHE_DIR") or os.path.join(
+    base = env.CACHE_DIR.get() or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "glm53_serving"
     )
     return Path(base)
@@ -158,7 +166,7 @@ def generate(out: Path) -> None:
     model = Glm4MoeForCausalLM(cfg).to(torch.float32).eval()
     with torch.no_grad():
         # A non-zero routing bias, so the correction-bias path is exercised, not skipped.
-        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+        for layer in model.model.layers[cfg.first_k_dense_replace :]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
     model.save_pretrained(out, safe_serialization=True)
     (out / "glm53_tiny.json").write_text(json.dumps({"recipe": recipe_hash(), "seed": SEED}) + "\n")

@@ -57,7 +57,10 @@ def start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Pope
     out = (run_dir / "launcher.out").open("wb")
     return subprocess.Popen(
         [sys.executable, "-m", "glm53_serving.launch", "--run-dir", str(run_dir), *args],
-        env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
     )
 
 

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +27,12 @@ def over_length(endpoint, stream, n_prompt=P, max_new=4):
     text = "hello world " * n_prompt  # >= 2 tokens per repetition with glm53-tiny's tokenizer
     if endpoint == "/v1/completions":
         return {"model": "glm53-tiny", "prompt": text, "max_tokens": max_new, "stream": stream}
-    return {"model": "glm53-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_new, "stream": stream}
+    return {
+        "model": "glm53-tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_new,
+        "stream": stream,
+    }
 
 
 def metric(url, name, **labels):
@@ -50,7 +54,10 @@ def assert_contract_400(r, prompt_at_least=P):
     assert r.headers["content-type"].startswith("application/json"), r.headers
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
-    assert err["prompt_tokens"] >= prompt_at_least or err["prompt_tokens"] + (err["max_new_tokens"] or 0) > err["max_total_tokens"]
+    assert (
+        err["prompt_tokens"] >= prompt_at_least
+        or err["prompt_tokens"] + (err["max_new_tokens"] or 0) > err["max_total_tokens"]
+    )
     assert err["max_input_tokens"] == P and err["max_total_tokens"] == T
     return err
 
@@ -82,8 +89,12 @@ def test_over_length_straight_to_the_router_is_a_fast_4xx_and_nothing_runs(pd, e
     # the status holds, it is fast, and neither worker generates anything.
     workers = [pd.worker("prefill-0"), pd.worker("decode-0")]
     before = [generated_tokens(w) for w in workers]
-    r = httpx.post(f"{pd.worker('router')}{endpoint}", json=over_length(endpoint, stream), timeout=30,
-                   headers=auth(pd.worker("router")))
+    r = httpx.post(
+        f"{pd.worker('router')}{endpoint}",
+        json=over_length(endpoint, stream),
+        timeout=30,
+        headers=auth(pd.worker("router")),
+    )
     assert r.status_code == 400
     assert "prompts of at most 505 tokens" in r.text
     assert [generated_tokens(w) for w in workers] == before
@@ -100,7 +111,12 @@ def test_over_length_at_the_client_endpoint_is_the_contract_400(single, pd, topo
     assert_contract_400(r)
     # The gateway rejected it: no worker (nor the router) saw the request.
     assert [metric(w, "glm53_rejections_total") for w in workers] == before
-    assert metric(run.url, "glm53_gateway_requests_total", endpoint=endpoint, status="400", reason="context_length_exceeded") >= 1
+    assert (
+        metric(
+            run.url, "glm53_gateway_requests_total", endpoint=endpoint, status="400", reason="context_length_exceeded"
+        )
+        >= 1
+    )
 
 
 @pytest.mark.parametrize("where", ["single", "pd"])
@@ -108,8 +124,15 @@ def test_exactly_at_the_limit_rejected_one_below_served(single, pd, where):
     url = single.url if where == "single" else pd.url
     r = httpx.post(f"{url}/generate", json=over_length("/generate", False, n_prompt=P), timeout=30, headers=auth(url))
     assert r.status_code == 400 and "the prompt has 506" in r.text
-    ok = httpx.post(f"{url}/generate", timeout=120, headers=auth(url), json={
-        "input_ids": [5] * (P - 1), "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    ok = httpx.post(
+        f"{url}/generate",
+        timeout=120,
+        headers=auth(url),
+        json={
+            "input_ids": [5] * (P - 1),
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["output_ids"]) == 4 and ok.json()["meta_info"]["prompt_tokens"] == P - 1
 
@@ -117,20 +140,32 @@ def test_exactly_at_the_limit_rejected_one_below_served(single, pd, where):
 @pytest.mark.parametrize("where", ["single", "prefill", "decode"])
 def test_prompt_plus_max_tokens_over_the_budget_is_400_not_silent_clipping(single, pd, where):
     url = worker_urls(single, pd)[where]
-    r = httpx.post(f"{url}/generate", timeout=30, headers=auth(url), json={
-        "input_ids": [5] * 100, "sampling_params": {"max_new_tokens": T - 100 + 1, "ignore_eos": True}})
+    r = httpx.post(
+        f"{url}/generate",
+        timeout=30,
+        headers=auth(url),
+        json={"input_ids": [5] * 100, "sampling_params": {"max_new_tokens": T - 100 + 1, "ignore_eos": True}},
+    )
     err = assert_contract_400(r, prompt_at_least=0)
     assert err["param"] == "max_tokens" and err["max_new_tokens"] == T - 99
 
 
 def test_prompt_plus_max_tokens_at_the_budget_is_served_in_full(single):
-    r = httpx.post(f"{single.url}/generate", timeout=300, headers=auth(single.url), json={
-        "input_ids": [5] * 10, "sampling_params": {"max_new_tokens": T - 10, "temperature": 0, "ignore_eos": True}})
+    r = httpx.post(
+        f"{single.url}/generate",
+        timeout=300,
+        headers=auth(single.url),
+        json={
+            "input_ids": [5] * 10,
+            "sampling_params": {"max_new_tokens": T - 10, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200
     assert r.json()["meta_info"]["completion_tokens"] == T - 10  # not clipped
 
 
 # --- asymmetric PD pools: what upstream parks (client hangs) must be a 4xx within 1 s -----------
+
 
 def asym_config(tmp_path, prefill_kv, decode_kv):
     text = (REPO_LAUNCH_DIR / "cpu.toml").read_text()
@@ -159,12 +194,23 @@ def test_asymmetric_pools_reject_at_once_and_serve_below(tmp_path, prefill_kv, d
         for n in (limits.max_input_tokens, limits.max_input_tokens + 5):
             for stream in (False, True):
                 t0 = time.monotonic()
-                r = httpx.post(f"{run.url}/generate", json=over_length("/generate", stream, n_prompt=n), timeout=30,
-                               headers=auth(run.url))
+                r = httpx.post(
+                    f"{run.url}/generate",
+                    json=over_length("/generate", stream, n_prompt=n),
+                    timeout=30,
+                    headers=auth(run.url),
+                )
                 assert time.monotonic() - t0 < 5.0 and r.status_code == 400, r.text
                 assert f"prompts of at most {limits.max_input_tokens - 1} tokens" in r.text
-        ok = httpx.post(f"{run.url}/generate", timeout=120, headers=auth(run.url), json={
-            "input_ids": [5] * (limits.max_input_tokens - 1), "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+        ok = httpx.post(
+            f"{run.url}/generate",
+            timeout=120,
+            headers=auth(run.url),
+            json={
+                "input_ids": [5] * (limits.max_input_tokens - 1),
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+            },
+        )
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
     finally:
         run.stop()
@@ -173,11 +219,20 @@ def test_asymmetric_pools_reject_at_once_and_serve_below(tmp_path, prefill_kv, d
 
 # --- start-up lint -------------------------------------------------------------------------
 
+
 def test_launcher_refuses_the_incident_configuration(tmp_path):
     cfg = tmp_path / "incident.toml"
-    cfg.write_text((REPO_LAUNCH_DIR / "cpu.toml").read_text().replace("decode_reserve = 64", "decode_reserve = 16\nkv_tokens = 256"))
-    out = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--config", str(cfg), "--run-dir", str(tmp_path / "r")],
-                         capture_output=True, text=True, timeout=120)
+    cfg.write_text(
+        (REPO_LAUNCH_DIR / "cpu.toml")
+        .read_text()
+        .replace("decode_reserve = 64", "decode_reserve = 16\nkv_tokens = 256")
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "glm53_serving.launch", "--config", str(cfg), "--run-dir", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "512" in out.stderr and "256" in out.stderr and "clamp_context_to_kv = true" in out.stderr
     assert not (tmp_path / "r").exists()  # nothing was started
@@ -200,7 +255,9 @@ def test_hand_launched_server_refuses_a_window_larger_than_its_pool(tmp_path):
     out = run_server_directly(tmp_path, "single", kv=256)
     assert out.returncode != 0
     assert "glm53_serving: refusing to start" in out.stderr + out.stdout
-    assert "context window (512 tokens) exceeds this single server's KV capacity (256 tokens)" in out.stderr + out.stdout
+    assert (
+        "context window (512 tokens) exceeds this single server's KV capacity (256 tokens)" in out.stderr + out.stdout
+    )
 
 
 def test_hand_launched_pd_server_without_the_deployment_limits_refuses(tmp_path):

@@ -34,12 +34,22 @@ ROLES = {"single": ("single", "server"), "prefill": ("pd", "prefill-0"), "decode
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
 # Schemathesis' negative mode on the OpenAI request models takes minutes per handful of
 # examples to generate (measured: 270 s for 15); the hand-written strategies below cover them.
-OPERATIONS = [("/generate", GenerationMode.POSITIVE), ("/generate", GenerationMode.NEGATIVE),
-              ("/v1/completions", GenerationMode.POSITIVE), ("/v1/chat/completions", GenerationMode.POSITIVE)]
+OPERATIONS = [
+    ("/generate", GenerationMode.POSITIVE),
+    ("/generate", GenerationMode.NEGATIVE),
+    ("/v1/completions", GenerationMode.POSITIVE),
+    ("/v1/chat/completions", GenerationMode.POSITIVE),
+]
 HARMLESS_GETS = ("/health", "/v1/models", "/model_info", "/server_info")
 
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
-                suppress_health_check=list(HealthCheck), print_blob=True)
+FUZZ = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
 
 
 def target(request, role):
@@ -108,8 +118,11 @@ def test_schemathesis_generation_endpoints(request, schemas, role, path, mode):
     @given(case=operation.as_strategy(mode))
     def one(case):
         case.body = bounded(path, case.body)
-        answered_soundly(lambda: case.call(base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S),
-                         f"{path} {case.body!r:.300}", seen)
+        answered_soundly(
+            lambda: case.call(base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S),
+            f"{path} {case.body!r:.300}",
+            seen,
+        )
 
     one()
     print(f"{role} {path} {mode.value}: {sum(seen.values())} requests, statuses {seen}")
@@ -121,23 +134,31 @@ def test_schemathesis_harmless_gets(request, schemas, role):
     run, url = target(request, role)
     schema = schema_of(schemas, url, run.worker_headers())
     for path in HARMLESS_GETS:
+
         @settings(FUZZ, max_examples=5)
         @given(case=schema[path]["GET"].as_strategy())
         def one(case):
             t0 = time.monotonic()
             r = case.call(base_url=url, headers=run.worker_headers(), timeout=REQUEST_TIMEOUT_S)
-            assert r.status_code < 500 and time.monotonic() - t0 < REQUEST_TIMEOUT_S, (path, r.status_code, r.text[:300])
+            assert r.status_code < 500 and time.monotonic() - t0 < REQUEST_TIMEOUT_S, (
+                path,
+                r.status_code,
+                r.text[:300],
+            )
 
         one()
 
 
 # --- what the schema does not describe ----------------------------------------------------------
 
-token_id = st.one_of(st.integers(0, 511), st.integers(-2**63, -1), st.integers(512, 2**63 - 1),
-                     st.integers(2**63, 2**80))
-json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                          lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-                          max_leaves=12)
+token_id = st.one_of(
+    st.integers(0, 511), st.integers(-(2**63), -1), st.integers(512, 2**63 - 1), st.integers(2**63, 2**80)
+)
+json_value = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def _json(body) -> bytes:
@@ -149,10 +170,26 @@ def abusive_request(draw):
     """(path, raw body, content type): malformed in the ways the OpenAPI schema cannot express."""
     path = draw(st.sampled_from(GENERATION))
     field = {"/generate": "input_ids", "/v1/completions": "prompt", "/v1/chat/completions": "messages"}[path]
-    base = {"model": "glm53-tiny", "max_tokens": 2, "sampling_params": {"max_new_tokens": 2}} if path != "/generate" \
+    base = (
+        {"model": "glm53-tiny", "max_tokens": 2, "sampling_params": {"max_new_tokens": 2}}
+        if path != "/generate"
         else {"sampling_params": {"max_new_tokens": 2}}
-    kind = draw(st.sampled_from(["token_ids", "nested", "huge_array", "bad_utf8", "odd_encoding", "content_type",
-                                 "random_json", "random_field", "media"]))
+    )
+    kind = draw(
+        st.sampled_from(
+            [
+                "token_ids",
+                "nested",
+                "huge_array",
+                "bad_utf8",
+                "odd_encoding",
+                "content_type",
+                "random_json",
+                "random_field",
+                "media",
+            ]
+        )
+    )
     ctype = "application/json"
     if kind == "token_ids":
         ids = draw(st.lists(token_id, min_size=0, max_size=20))
@@ -169,23 +206,73 @@ def abusive_request(draw):
         raw = _json({**base, "text": "hi", "prompt": "hi"})[:-1] + b', "s": "' + junk + b'"}'
     elif kind == "odd_encoding":
         enc = draw(st.sampled_from(["utf-16", "utf-32", "utf-8-sig", "latin-1"]))
-        raw = json.dumps({**base, "text": "h\u00e9", "prompt": "h\u00e9",
-                          "messages": [{"role": "user", "content": "h\u00e9"}]}, ensure_ascii=False).encode(enc)
+        raw = json.dumps(
+            {**base, "text": "h\u00e9", "prompt": "h\u00e9", "messages": [{"role": "user", "content": "h\u00e9"}]},
+            ensure_ascii=False,
+        ).encode(enc)
     elif kind == "content_type":
-        ctype = draw(st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                                      "application/xml", "application/json; charset=utf-16"]))
+        ctype = draw(
+            st.sampled_from(
+                [
+                    "text/plain",
+                    "application/x-www-form-urlencoded",
+                    "multipart/form-data",
+                    "application/xml",
+                    "application/json; charset=utf-16",
+                ]
+            )
+        )
         raw = _json({**base, "text": "hi", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]})
     elif kind == "random_json":
         raw = _json(draw(json_value))
     elif kind == "random_field":
-        raw = _json({**base, field: draw(json_value), draw(st.sampled_from(
-            ["temperature", "top_p", "top_k", "n", "stop", "logprobs", "top_logprobs", "seed", "stream",
-             "logit_bias", "top_logprobs_num", "return_logprob"])): draw(json_value)})
+        raw = _json(
+            {
+                **base,
+                field: draw(json_value),
+                draw(
+                    st.sampled_from(
+                        [
+                            "temperature",
+                            "top_p",
+                            "top_k",
+                            "n",
+                            "stop",
+                            "logprobs",
+                            "top_logprobs",
+                            "seed",
+                            "stream",
+                            "logit_bias",
+                            "top_logprobs_num",
+                            "return_logprob",
+                        ]
+                    )
+                ): draw(json_value),
+            }
+        )
     else:
         media = draw(st.sampled_from(["image_data", "audio_data", "video_data", "input_embeds"]))
-        raw = _json({**base, "text": "hi", "prompt": "hi", media: draw(json_value) or "x",
-                     "messages": [{"role": "user", "content": [{"type": draw(st.sampled_from(
-                         ["image_url", "input_audio", "video_url", "audio_url", "file"])), "x": 1}]}]})
+        raw = _json(
+            {
+                **base,
+                "text": "hi",
+                "prompt": "hi",
+                media: draw(json_value) or "x",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": draw(
+                                    st.sampled_from(["image_url", "input_audio", "video_url", "audio_url", "file"])
+                                ),
+                                "x": 1,
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
     return path, raw, ctype
 
 
@@ -194,12 +281,14 @@ def test_hand_written_abuse_is_answered_and_survived(request, role):
     run, url = target(request, role)
     seen = {}
     with httpx.Client(base_url=url, headers=run.worker_headers(), timeout=REQUEST_TIMEOUT_S) as client:
+
         @FUZZ
         @given(req=abusive_request())
         def one(req):
             path, raw, ctype = req
-            answered_soundly(lambda: client.post(path, content=raw, headers={"content-type": ctype}),
-                             f"{path} {raw[:300]!r}", seen)
+            answered_soundly(
+                lambda: client.post(path, content=raw, headers={"content-type": ctype}), f"{path} {raw[:300]!r}", seen
+            )
 
         one()
     print(f"{role} hand-written: {sum(seen.values())} requests, statuses {seen}")

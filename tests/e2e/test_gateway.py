@@ -18,8 +18,11 @@ from tests.e2e.test_admission import metric
 pytestmark = pytest.mark.e2e
 
 text_s = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60)
-chat_s = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text_s}),
-                  min_size=1, max_size=5)
+chat_s = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text_s}),
+    min_size=1,
+    max_size=5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,12 @@ def counter():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chat=chat_s)
 def test_gateway_counts_prompts_exactly_as_the_server_does(single, counter, chat):
-    r = httpx.post(f"{single.worker('server')}/v1/chat/completions", timeout=60, headers=auth(single.worker("server")),
-                   json={"model": "glm53-tiny", "messages": chat, "max_tokens": 1})
+    r = httpx.post(
+        f"{single.worker('server')}/v1/chat/completions",
+        timeout=60,
+        headers=auth(single.worker("server")),
+        json={"model": "glm53-tiny", "messages": chat, "max_tokens": 1},
+    )
     assert r.status_code == 200, r.text
     assert counter.count("/v1/chat/completions", {"messages": chat}) == (r.json()["usage"]["prompt_tokens"], None)
 
@@ -39,8 +46,12 @@ def test_gateway_counts_prompts_exactly_as_the_server_does(single, counter, chat
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=text_s.filter(bool))
 def test_gateway_counts_completion_prompts_exactly_as_the_server_does(single, counter, text):
-    r = httpx.post(f"{single.worker('server')}/v1/completions", timeout=60, headers=auth(single.worker("server")),
-                   json={"model": "glm53-tiny", "prompt": text, "max_tokens": 1})
+    r = httpx.post(
+        f"{single.worker('server')}/v1/completions",
+        timeout=60,
+        headers=auth(single.worker("server")),
+        json={"model": "glm53-tiny", "prompt": text, "max_tokens": 1},
+    )
     assert r.status_code == 200, r.text
     assert counter.count("/v1/completions", {"prompt": text})[0] == r.json()["usage"]["prompt_tokens"]
 
@@ -53,9 +64,13 @@ def test_20mb_body_is_413_within_2s_without_reading_it(single, pd, topology):
     t0 = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=5) as s:
         # Announce 20 MB but send only the headers and 64 KiB: the answer must not wait for the rest.
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Authorization: {run.client_headers()['Authorization']}\r\n"
-                  f"Content-Length: {body_len}\r\n\r\n".encode() + b"{" + b" " * 65535)
+        s.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: {run.client_headers()['Authorization']}\r\n"
+            f"Content-Length: {body_len}\r\n\r\n".encode()
+            + b"{"
+            + b" " * 65535
+        )
         data = b""
         while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
             chunk = s.recv(65536)
@@ -80,6 +95,7 @@ def test_chunked_body_over_the_limit_is_413(single):
     def chunks():
         for _ in range(20):
             yield b"x" * (1024 * 1024)
+
     r = httpx.post(f"{single.url}/generate", content=chunks(), timeout=30, headers=auth(single.url))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
@@ -95,9 +111,18 @@ def test_models_reports_the_deployment_window(single, pd, topology):
 def test_worker_errors_reach_the_client_as_valid_json_with_their_status(pd, stream):
     # A request the gateway forwards (it does not judge sampling parameters) and the workers reject:
     # through sglang-router alone the streaming body arrives cut (invalid JSON).
-    r = httpx.post(f"{pd.url}/v1/chat/completions", timeout=30, headers=auth(pd.url), json={
-        "model": "glm53-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "temperature": -1, "stream": stream})
+    r = httpx.post(
+        f"{pd.url}/v1/chat/completions",
+        timeout=30,
+        headers=auth(pd.url),
+        json={
+            "model": "glm53-tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": -1,
+            "stream": stream,
+        },
+    )
     assert 400 <= r.status_code < 500, r.text
     err = r.json()["error"]  # valid JSON, whatever the router did to the body
     assert isinstance(err["message"], str) and err["message"]
@@ -116,9 +141,17 @@ def test_stream_passes_through_and_disconnect_frees_the_request(single, pd, topo
     # request won anyway is retried; one that ends aborted is what must happen.
     for _ in range(3):
         before = metric(worker, "sglang:generation_tokens_histogram_sum")
-        with httpx.stream("POST", f"{run.url}/generate", timeout=60, headers=auth(run.url), json={
-                "input_ids": [7] * 20, "stream": True,
-                "sampling_params": {"max_new_tokens": 480, "ignore_eos": True, "temperature": 0}}) as r:
+        with httpx.stream(
+            "POST",
+            f"{run.url}/generate",
+            timeout=60,
+            headers=auth(run.url),
+            json={
+                "input_ids": [7] * 20,
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 480, "ignore_eos": True, "temperature": 0},
+            },
+        ) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             events = 0
             for line in r.iter_lines():

@@ -17,10 +17,19 @@ pytestmark = pytest.mark.e2e
 
 def probe(decode_url: str) -> list[int]:
     # The fake bootstrap host is refused to tenants; the operator may use it (this probe).
-    r = httpx.post(f"{decode_url}/generate", timeout=60, headers=auth(decode_url, "admin"), json={
-        "rid": "kv-guard-probe",  # the synthetic handoff token is derived from the rid
-        "input_ids": [9] * 64, "bootstrap_host": "2.2.2.2", "bootstrap_port": 8998, "bootstrap_room": 1,
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    r = httpx.post(
+        f"{decode_url}/generate",
+        timeout=60,
+        headers=auth(decode_url, "admin"),
+        json={
+            "rid": "kv-guard-probe",  # the synthetic handoff token is derived from the rid
+            "input_ids": [9] * 64,
+            "bootstrap_host": "2.2.2.2",
+            "bootstrap_port": 8998,
+            "bootstrap_room": 1,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -28,8 +37,15 @@ def probe(decode_url: str) -> list[int]:
 def churn(client_url: str, seed: int) -> None:
     """Other requests, enough tokens to wrap decode's 2048-slot pool twice."""
     for k in range(12):
-        r = httpx.post(f"{client_url}/generate", timeout=120, headers=auth(client_url), json={
-            "input_ids": [(i * seed + k) % 400 + 5 for i in range(400)], "sampling_params": {"max_new_tokens": 4}})
+        r = httpx.post(
+            f"{client_url}/generate",
+            timeout=120,
+            headers=auth(client_url),
+            json={
+                "input_ids": [(i * seed + k) % 400 + 5 for i in range(400)],
+                "sampling_params": {"max_new_tokens": 4},
+            },
+        )
         assert r.status_code == 200, r.text
 
 

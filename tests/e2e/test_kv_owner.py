@@ -24,10 +24,14 @@ PROMPT = [(i * 7) % 300 + 5 for i in range(40)]
 
 
 def _env(tmp_path):
-    return {"PYTHONPATH": KV_FAULT, "GLM53_TEST_KV_FOREIGN": "kvfault-foreign",
-            "GLM53_TEST_KV_SHORT_HANDOFF": "kvfault-short",
-            "GLM53_TEST_KV_FOREIGN_DECODE": "kvfault-decode",
-            "GLM53_TEST_KV_POISON_TAIL": "kvfault-poison", "GLM53_TEST_KV_LOG": str(tmp_path / "kv-events.jsonl")}
+    return {
+        "PYTHONPATH": KV_FAULT,
+        "GLM53_TEST_KV_FOREIGN": "kvfault-foreign",
+        "GLM53_TEST_KV_SHORT_HANDOFF": "kvfault-short",
+        "GLM53_TEST_KV_FOREIGN_DECODE": "kvfault-decode",
+        "GLM53_TEST_KV_POISON_TAIL": "kvfault-poison",
+        "GLM53_TEST_KV_LOG": str(tmp_path / "kv-events.jsonl"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,11 @@ def faulty_pd(tmp_path_factory):
 
 
 def generate(run, rid=None, stream=False, salt=None, prompt=PROMPT, tenant="demo"):
-    body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
-                                                                        "ignore_eos": True}}
+    body = {
+        "input_ids": prompt,
+        "stream": stream,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
     if rid:
         body["rid"] = rid
     if salt:
@@ -108,8 +115,9 @@ def _isolation_scenario(run, worker_name):
 
 def test_a_row_reaching_another_namespaces_kv_fails_that_request_alone(faulty_single):
     _isolation_scenario(faulty_single, "server")
-    checked = metric(faulty_single.worker("server"), "glm53_kv_owner_checked_requests_total",
-                     faulty_single.worker_headers())
+    checked = metric(
+        faulty_single.worker("server"), "glm53_kv_owner_checked_requests_total", faulty_single.worker_headers()
+    )
     assert checked > 0
 
 
@@ -133,8 +141,9 @@ def test_a_foreign_index_at_a_decode_step_fails_that_request_alone(faulty_single
     expected = generate(run).json()["output_ids"]
     r = generate(run, rid="kvfault-decode-1", salt="tenant-z")
     assert_contract_500(r, "kv_isolation_violation")
-    assert metric(run.worker("server"), "glm53_kv_isolation_violations_total", run.worker_headers(),
-                  where="decode") >= 1
+    assert (
+        metric(run.worker("server"), "glm53_kv_isolation_violations_total", run.worker_headers(), where="decode") >= 1
+    )
     again = generate(run, salt="tenant-z")
     assert again.status_code == 200 and again.json()["output_ids"] == expected
 

@@ -30,7 +30,11 @@ def test_ctrl_c_leaves_no_child_alive(tmp_path):
 
 def test_child_dying_at_startup_fails_with_its_log_tail(tmp_path):
     cfg = tmp_path / "broken.toml"
-    cfg.write_text(Path("launch/cpu.toml").read_text().replace('"--skip-server-warmup",', '"--skip-server-warmup", "--no-such-flag",'))
+    cfg.write_text(
+        Path("launch/cpu.toml")
+        .read_text()
+        .replace('"--skip-server-warmup",', '"--skip-server-warmup", "--no-such-flag",')
+    )
     rc, took = wait_exit(start(tmp_path, "--config", str(cfg)))
     out = launcher_output(tmp_path)
     assert rc == 1, out
@@ -38,11 +42,14 @@ def test_child_dying_at_startup_fails_with_its_log_tail(tmp_path):
     assert not (tmp_path / "ready.json").exists()
 
 
-@pytest.mark.parametrize("target", [
-    "sglang.srt.managers.scheduler.Scheduler.get_init_info",  # the HTTP process refuses
-    "sglang.srt.entrypoints.engine._wait_for_scheduler_ready",  # the scheduler refuses
-    "sglang.srt.entrypoints.http_server._setup_and_run_http_server",  # request validation: the HTTP process refuses
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "sglang.srt.managers.scheduler.Scheduler.get_init_info",  # the HTTP process refuses
+        "sglang.srt.entrypoints.engine._wait_for_scheduler_ready",  # the scheduler refuses
+        "sglang.srt.entrypoints.http_server._setup_and_run_http_server",  # request validation: the HTTP process refuses
+    ],
+)
 def test_missing_hook_stops_the_server_from_starting(tmp_path, target):
     proc = start(tmp_path, "--topology", "single", env={"PYTHONPATH": SABOTAGE, "GLM53_TEST_BREAK_HOOK": target})
     rc, _ = wait_exit(proc)
@@ -56,8 +63,9 @@ def test_missing_hook_stops_the_server_from_starting(tmp_path, target):
 def test_disabled_guards_are_announced(tmp_path):
     run = launch(tmp_path, "--topology", "single", env={"GLM53_SERVING_DISABLE": "1"})
     try:
-        status = httpx.get(f"{run.worker('server')}/server_info", timeout=30,
-                           headers=run.worker_headers("admin")).json()["glm53_serving"]
+        status = httpx.get(
+            f"{run.worker('server')}/server_info", timeout=30, headers=run.worker_headers("admin")
+        ).json()["glm53_serving"]
         assert status == {**status, "active": False, "disabled_by": "GLM53_SERVING_DISABLE=1"}
         assert "guards are DISABLED" in (tmp_path / "server.log").read_text(errors="replace")
         assert "guards DISABLED" in launcher_output(tmp_path)

@@ -35,8 +35,15 @@ def _hf_greedy() -> list[int]:
 
 
 def serves_normally(url, headers=None):
-    r = httpx.post(f"{url}/generate", timeout=120, headers=auth(url) if headers is None else headers, json={
-        "input_ids": NORMAL_IDS, "sampling_params": {"max_new_tokens": NORMAL_NEW, "temperature": 0, "ignore_eos": True}})
+    r = httpx.post(
+        f"{url}/generate",
+        timeout=120,
+        headers=auth(url) if headers is None else headers,
+        json={
+            "input_ids": NORMAL_IDS,
+            "sampling_params": {"max_new_tokens": NORMAL_NEW, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == _hf_greedy()
 
@@ -56,8 +63,12 @@ def rejected(url, path, body, headers, param, status=400):
 @pytest.mark.parametrize("bad", [-1, 512, 10**9], ids=["negative", "vocab_size", "huge"])
 def test_out_of_vocabulary_token_id_does_not_kill_the_single_server(single, bad):
     server = single.worker("server")
-    r = httpx.post(f"{server}/generate", timeout=30, headers=single.worker_headers(),
-                   json={"input_ids": [5, bad, 6], "sampling_params": {"max_new_tokens": 2}})
+    r = httpx.post(
+        f"{server}/generate",
+        timeout=30,
+        headers=single.worker_headers(),
+        json={"input_ids": [5, bad, 6], "sampling_params": {"max_new_tokens": 2}},
+    )
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "invalid_request_error" and err["param"] == "input_ids" and str(bad) in err["message"]
@@ -68,8 +79,12 @@ def test_out_of_vocabulary_token_id_does_not_kill_the_single_server(single, bad)
 @pytest.mark.parametrize("bad", [-1, 512], ids=["negative", "vocab_size"])
 def test_out_of_vocabulary_token_id_does_not_hang_pd(pd, bad):
     t0 = time.monotonic()
-    r = httpx.post(f"{pd.url}/generate", timeout=30, headers=pd.client_headers(),
-                   json={"input_ids": [5, bad], "sampling_params": {"max_new_tokens": 2}})
+    r = httpx.post(
+        f"{pd.url}/generate",
+        timeout=30,
+        headers=pd.client_headers(),
+        json={"input_ids": [5, bad], "sampling_params": {"max_new_tokens": 2}},
+    )
     assert time.monotonic() - t0 < 2.0
     assert r.status_code == 400 and str(bad) in r.json()["error"]["message"]
     for w in ("prefill-0", "decode-0"):
@@ -80,8 +95,12 @@ def test_out_of_vocabulary_token_id_does_not_hang_pd(pd, bad):
 @pytest.mark.parametrize("role", ["decode-0", "prefill-0"])
 def test_generate_without_bootstrap_fields_does_not_kill_the_pd_server(pd, role):
     worker = pd.worker(role)
-    r = httpx.post(f"{worker}/generate", timeout=30, headers=pd.worker_headers(), json={
-        "input_ids": [5, 6, 7], "bootstrap_room": 123, "sampling_params": {"max_new_tokens": 2}})
+    r = httpx.post(
+        f"{worker}/generate",
+        timeout=30,
+        headers=pd.worker_headers(),
+        json={"input_ids": [5, 6, 7], "bootstrap_room": 123, "sampling_params": {"max_new_tokens": 2}},
+    )
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "bootstrap_host" and "routed by its deployment" in err["message"]
@@ -106,13 +125,23 @@ def healthy_after(run, worker):
 
 
 @pytest.mark.parametrize("role", ROLES)
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 1000}, "logprobs"),
-    ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "logprobs": True,
-                              "top_logprobs": 1000}, "top_logprobs"),
-    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**6,
-                   "sampling_params": {"max_new_tokens": 2}}, "top_logprobs_num"),
-], ids=["completions", "chat", "generate"])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 1000}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 1000},
+            "top_logprobs",
+        ),
+        (
+            "/generate",
+            {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**6, "sampling_params": {"max_new_tokens": 2}},
+            "top_logprobs_num",
+        ),
+    ],
+    ids=["completions", "chat", "generate"],
+)
 def test_top_logprobs_over_the_vocabulary_do_not_kill_the_server(request, role, path, body, param):
     # upstream: RuntimeError "selected index k out of range" in the sampler takes the scheduler down
     run, worker = worker_of(request, role)
@@ -131,16 +160,25 @@ def test_empty_prompt_does_not_kill_the_server(request, role, stream):
 
 def test_batch_with_fewer_sampling_params_than_prompts_is_400_not_500(single):
     # upstream: IndexError in TokenizerManager._init_req_state -> 500
-    rejected(single.worker("server"), "/generate", {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]},
-             single.worker_headers(), "sampling_params")
+    rejected(
+        single.worker("server"),
+        "/generate",
+        {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]},
+        single.worker_headers(),
+        "sampling_params",
+    )
     serves_normally(single.url, single.client_headers())
 
 
 @pytest.mark.parametrize("via", ["gateway", "decode-0", "prefill-0"])
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "n": 2}, "n"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "n": 2}}, "sampling_params.n"),
-], ids=["chat", "generate"])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "n": 2}, "n"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "n": 2}}, "sampling_params.n"),
+    ],
+    ids=["chat", "generate"],
+)
 def test_n_over_one_does_not_hang_pd(pd, via, path, body, param):
     # upstream through sglang-router: every sample shares one bootstrap room, the client waits
     # for the router's timeout and prefill keeps the other samples queued
@@ -150,26 +188,62 @@ def test_n_over_one_does_not_hang_pd(pd, via, path, body, param):
 
 
 def test_n_over_one_is_served_by_a_single_server(single):
-    r = httpx.post(f"{single.url}/v1/chat/completions", timeout=60, headers=single.client_headers(),
-                   json={"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "n": 3})
+    r = httpx.post(
+        f"{single.url}/v1/chat/completions",
+        timeout=60,
+        headers=single.client_headers(),
+        json={"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "n": 3},
+    )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 3
 
 
 @pytest.mark.parametrize("role", ROLES)
-@pytest.mark.parametrize("path,body,param", [
-    ("/generate", {"text": "hi", "image_data": "http://127.0.0.1:9/x.png"}, "image_data"),
-    ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, "sampling_params.n"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids"),
-    ("/generate", {"text": "hi", "stream": True, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "logprobs": -1}, "logprobs"),
-    ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "n": 0}, "n"),
-    ("/v1/chat/completions", {"model": "glm53-tiny", "messages": [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "messages[0].content[0].type"),
-    ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "top_p": 1.5, "stream": True}, "top_p"),
-    ("/v1/chat/completions", {"model": "glm53-tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-], ids=["image_data", "n0", "stop_token_ids", "stream_temperature", "logprobs_negative", "completions_n0",
-        "input_audio", "stream_top_p", "role"])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/generate", {"text": "hi", "image_data": "http://127.0.0.1:9/x.png"}, "image_data"),
+        ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, "sampling_params.n"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids"),
+        (
+            "/generate",
+            {"text": "hi", "stream": True, "sampling_params": {"temperature": -1}},
+            "sampling_params.temperature",
+        ),
+        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "n": 0}, "n"),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "glm53-tiny",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}],
+                    }
+                ],
+            },
+            "messages[0].content[0].type",
+        ),
+        ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "top_p": 1.5, "stream": True}, "top_p"),
+        (
+            "/v1/chat/completions",
+            {"model": "glm53-tiny", "messages": [{"role": "wizard", "content": "x"}]},
+            "messages[0].role",
+        ),
+    ],
+    ids=[
+        "image_data",
+        "n0",
+        "stop_token_ids",
+        "stream_temperature",
+        "logprobs_negative",
+        "completions_n0",
+        "input_audio",
+        "stream_top_p",
+        "role",
+    ],
+)
 def test_requests_upstream_ignored_or_misanswered_are_400_naming_the_field(request, role, path, body, param):
     run, worker = worker_of(request, role)
     rejected(worker, path, body, run.worker_headers(), param)
@@ -177,14 +251,18 @@ def test_requests_upstream_ignored_or_misanswered_are_400_naming_the_field(reque
 
 
 @pytest.mark.parametrize("topology", ["single", "pd"])
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "temperature": -1}, "temperature"),
-    ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "temperature": 2.5}, "temperature"),
-    ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "logprobs": 1000, "stream": True}, "logprobs"),
-    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
-    ("/generate", {"input_ids": [5, -1]}, "input_ids"),
-], ids=["temperature_negative", "temperature_over_openai", "stop_over_openai", "logprobs_stream", "type", "token_id"])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "temperature": -1}, "temperature"),
+        ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "temperature": 2.5}, "temperature"),
+        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "logprobs": 1000, "stream": True}, "logprobs"),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+        ("/generate", {"input_ids": [5, -1]}, "input_ids"),
+    ],
+    ids=["temperature_negative", "temperature_over_openai", "stop_over_openai", "logprobs_stream", "type", "token_id"],
+)
 def test_client_endpoint_answers_like_the_workers(single, pd, topology, path, body, param):
     # Through sglang-router (PD) a worker's 400 loses its param and the router has its own bounds
     # and shapes: the gateway answers first, with the same body as a worker.
@@ -201,7 +279,7 @@ def _raw_post(url, head: bytes, body_prefix: bytes) -> tuple[float, str, bytes]:
         while True:
             try:
                 chunk = s.recv(65536)
-            except (ConnectionResetError, socket.timeout):
+            except (TimeoutError, ConnectionResetError):
                 break
             if not chunk:
                 break
@@ -216,8 +294,9 @@ def _raw_post(url, head: bytes, body_prefix: bytes) -> tuple[float, str, bytes]:
 def test_body_over_the_worker_limit_is_413_before_it_is_read(request, role):
     run, worker = worker_of(request, role)
     limit = 16 * 1024 * 1024  # topology: twice the gateway's 8 MiB
-    head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {limit + 1}\r\n\r\n").encode()
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {limit + 1}\r\n\r\n"
+    ).encode()
     elapsed, status_line, raw = _raw_post(worker, head, b"{")
     assert elapsed < REJECT_WITHIN_S and status_line.startswith("HTTP/1.1 413"), status_line[:200]
     err = json.loads(raw)["error"]
@@ -232,6 +311,7 @@ def test_chunked_body_over_the_worker_limit_is_413(request, role):
     def chunks():
         for _ in range(17):
             yield b"x" * (1024 * 1024)
+
     t0 = time.monotonic()
     r = httpx.post(f"{worker}/v1/chat/completions", content=chunks(), headers=run.worker_headers(), timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]

@@ -40,8 +40,12 @@ def hf_greedy():
 
 
 def generate_ids(url, ids, n=N_NEW):
-    r = httpx.post(f"{url}/generate", timeout=120, headers=auth(url), json={
-        "input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    r = httpx.post(
+        f"{url}/generate",
+        timeout=120,
+        headers=auth(url),
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["meta_info"]["completion_tokens"] == n
@@ -49,15 +53,25 @@ def generate_ids(url, ids, n=N_NEW):
 
 
 def chat(url, stream, content="Write a function that sorts a list.", max_tokens=12):
-    return httpx.post(f"{url}/v1/chat/completions", timeout=120, headers=auth(url), json={
-        "model": "glm53-tiny", "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream})
+    return httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        headers=auth(url),
+        json={
+            "model": "glm53-tiny",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        },
+    )
 
 
 def sse_events(text):
-    lines = [l[len("data: "):] for l in text.splitlines() if l.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     assert lines and lines[-1] == "[DONE]", text[-500:]
-    return [json.loads(l) for l in lines[:-1]]
+    return [json.loads(line) for line in lines[:-1]]
 
 
 def test_generate_matches_hf_greedy(topo, hf_greedy):
@@ -71,8 +85,12 @@ def test_pd_decode_output_equals_single_server_output(single, pd):
 
 
 def test_generate_text(topo):
-    r = httpx.post(f"{topo.url}/generate", timeout=120, headers=auth(topo.url), json={
-        "text": "Hello world", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    r = httpx.post(
+        f"{topo.url}/generate",
+        timeout=120,
+        headers=auth(topo.url),
+        json={"text": "Hello world", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}},
+    )
     assert r.status_code == 200
     body = r.json()
     assert len(body["output_ids"]) == 8 and isinstance(body["text"], str) and body["text"]
@@ -100,8 +118,12 @@ def test_chat_stream_equals_non_stream(topo):
 
 
 def test_completions(topo):
-    r = httpx.post(f"{topo.url}/v1/completions", timeout=120, headers=auth(topo.url), json={
-        "model": "glm53-tiny", "prompt": "def main():", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        f"{topo.url}/v1/completions",
+        timeout=120,
+        headers=auth(topo.url),
+        json={"model": "glm53-tiny", "prompt": "def main():", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] and r.json()["usage"]["completion_tokens"] == 8
 

@@ -7,7 +7,6 @@ import random
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import psutil
@@ -42,6 +41,7 @@ def topology(single, pd, name):
 
 # --- identity --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["single", "pd"])
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_missing_or_unknown_key_is_401_at_the_gateway_and_nothing_is_forwarded(single, pd, name, endpoint):
@@ -49,15 +49,22 @@ def test_missing_or_unknown_key_is_401_at_the_gateway_and_nothing_is_forwarded(s
     workers = [p["url"] for p in run.info["processes"] if p["name"] in ("server", "prefill-0", "decode-0")]
     before = [metric(w, "sglang:http_requests_total", endpoint=endpoint) for w in workers]
     body = over_length(endpoint, False, n_prompt=4)
-    for headers in ({}, {"Authorization": "Bearer g53-not-a-key"}, {"Authorization": "Basic abc"},
-                    run.worker_headers()):  # a worker assertion is not an API key
+    for headers in (
+        {},
+        {"Authorization": "Bearer g53-not-a-key"},
+        {"Authorization": "Basic abc"},
+        run.worker_headers(),
+    ):  # a worker assertion is not an API key
         assert_error(httpx.post(f"{run.url}{endpoint}", json=body, headers=headers, timeout=30), 401, "invalid_api_key")
     assert [metric(w, "sglang:http_requests_total", endpoint=endpoint) for w in workers] == before
     assert metric(run.url, "glm53_gateway_requests_total", tenant="-", status="401", reason="invalid_api_key") >= 4
     before_ok = metric(run.url, "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200")
     r = httpx.post(f"{run.url}{endpoint}", json=body, headers=run.client_headers("demo-b"), timeout=120)
     assert r.status_code == 200, r.text
-    assert metric(run.url, "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200") == before_ok + 1
+    assert (
+        metric(run.url, "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200")
+        == before_ok + 1
+    )
 
 
 def forged_credentials(run) -> dict[str, dict]:
@@ -71,9 +78,16 @@ def forged_credentials(run) -> dict[str, dict]:
         "none": {},
         "client_api_key": run.client_headers(),
         "other_deployments_key": bearer(tenants.mint(b"z" * 64, "demo")),
-        "expired": bearer(jwt.encode({"sub": "demo", "aud": tenants.AUDIENCE, "iat": now - 900, "exp": now - 600},
-                                     tenants.load_assertion_key(run.info["tenants"]["assertion_key_file"]), "HS256")),
-        "unsigned": bearer(jwt.encode({"sub": "demo", "aud": tenants.AUDIENCE, "iat": now, "exp": now + 60}, None, "none")),
+        "expired": bearer(
+            jwt.encode(
+                {"sub": "demo", "aud": tenants.AUDIENCE, "iat": now - 900, "exp": now - 600},
+                tenants.load_assertion_key(run.info["tenants"]["assertion_key_file"]),
+                "HS256",
+            )
+        ),
+        "unsigned": bearer(
+            jwt.encode({"sub": "demo", "aud": tenants.AUDIENCE, "iat": now, "exp": now + 60}, None, "none")
+        ),
     }
 
 
@@ -81,9 +95,11 @@ def forged_credentials(run) -> dict[str, dict]:
 def test_a_worker_reached_without_the_gateway_cannot_claim_a_tenant(single, pd, worker):
     run = single if worker == "server" else pd
     url = run.worker(worker)
-    for what, headers in forged_credentials(run).items():
+    for headers in forged_credentials(run).values():
         for endpoint in ENDPOINTS:
-            r = httpx.post(f"{url}{endpoint}", json=over_length(endpoint, False, n_prompt=4), headers=headers, timeout=30)
+            r = httpx.post(
+                f"{url}{endpoint}", json=over_length(endpoint, False, n_prompt=4), headers=headers, timeout=30
+            )
             assert_error(r, 401, "invalid_api_key")
     assert metric(url, "glm53_rejections_total", reason="invalid_api_key") >= 15
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # open
@@ -97,9 +113,18 @@ def test_only_the_gateway_and_the_workers_hold_the_assertion_key(pd):
 
 # --- namespaces ------------------------------------------------------------------------------
 
+
 def cached(run, ids, tenant, **extra):
-    r = httpx.post(f"{run.url}/generate", headers=run.client_headers(tenant), timeout=120, json={
-        "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}, **extra})
+    r = httpx.post(
+        f"{run.url}/generate",
+        headers=run.client_headers(tenant),
+        timeout=120,
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+            **extra,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["meta_info"]["cached_tokens"], r.json()["output_ids"]
 
@@ -112,8 +137,11 @@ def test_prefix_cache_hits_within_a_tenant_and_never_across(single, spoof):
     ids = [random.Random(uuid.uuid4().int).randrange(5, 500) for _ in range(300)]  # new to the cache
     key = tenants.load_assertion_key(single.info["tenants"]["assertion_key_file"])
     a_salt = tenants.cache_salt(key, "demo")  # even tenant A's real namespace, leaked to B, is no way in
-    body = {"cache_salt": {"cache_salt": a_salt}, "extra_key": {"extra_key": a_salt},
-            "both": {"cache_salt": a_salt, "extra_key": "x"}}[spoof]
+    body = {
+        "cache_salt": {"cache_salt": a_salt},
+        "extra_key": {"extra_key": a_salt},
+        "both": {"cache_salt": a_salt, "extra_key": "x"},
+    }[spoof]
     # A few tokens may hit by chance: other tests' random prompts share the namespaces and the
     # radix cache matches single tokens (CI once saw 1). A shared namespace would hit >= 256.
     assert cached(single, ids, "demo")[0] < CHANCE_PREFIX_HIT
@@ -127,17 +155,27 @@ def test_prefix_cache_hits_within_a_tenant_and_never_across(single, spoof):
 
 # --- owned sessions and requests -------------------------------------------------------------
 
+
 def test_a_session_belongs_to_the_tenant_that_opened_it(single):
     url = single.url
-    r = httpx.post(f"{url}/open_session", json={"capacity_of_str_len": 4000}, headers=single.client_headers("demo"), timeout=30)
+    r = httpx.post(
+        f"{url}/open_session", json={"capacity_of_str_len": 4000}, headers=single.client_headers("demo"), timeout=30
+    )
     assert r.status_code == 200, r.text
     sid = r.json()
     in_session = {**GEN, "session_params": {"id": sid}}
     b = single.client_headers("demo-b")
     assert_error(httpx.post(f"{url}/generate", json=in_session, headers=b, timeout=30), 404, "not_found", "session_id")
-    assert_error(httpx.post(f"{url}/generate", json={**in_session, "session_params": {"id": sid, "rid": None,
-                                                                                      "offset": 0, "replace": True}},
-                            headers=b, timeout=30), 404, "not_found")  # branch
+    assert_error(
+        httpx.post(
+            f"{url}/generate",
+            json={**in_session, "session_params": {"id": sid, "rid": None, "offset": 0, "replace": True}},
+            headers=b,
+            timeout=30,
+        ),
+        404,
+        "not_found",
+    )  # branch
     assert_error(httpx.post(f"{url}/close_session", json={"session_id": sid}, headers=b, timeout=30), 404, "not_found")
     missing = httpx.post(f"{url}/close_session", json={"session_id": uuid.uuid4().hex}, headers=b, timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["message"].startswith("No session")  # same answer
@@ -148,9 +186,18 @@ def test_a_session_belongs_to_the_tenant_that_opened_it(single):
 
 
 def stream_tokens(url, headers, rid, n, seen: list, started: threading.Event, on_first=None):
-    with httpx.stream("POST", f"{url}/generate", headers=headers, timeout=300, json={
-            "rid": rid, "input_ids": [9] * 16, "stream": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}) as r:
+    with httpx.stream(
+        "POST",
+        f"{url}/generate",
+        headers=headers,
+        timeout=300,
+        json={
+            "rid": rid,
+            "input_ids": [9] * 16,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        },
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 seen.append(json.loads(line[6:]))
@@ -170,16 +217,23 @@ def test_a_tenant_aborts_only_its_own_requests(single):
     assert started.wait(120)
     r = httpx.post(f"{url}/abort_request", json={"rid": rid}, headers=b, timeout=30)
     assert r.status_code == 200  # as for any rid B does not own: nothing said, nothing done
-    assert_error(httpx.post(f"{url}/abort_request", json={"abort_all": True}, headers=b, timeout=30),
-                 403, "permission_denied", "abort_all")
+    assert_error(
+        httpx.post(f"{url}/abort_request", json={"abort_all": True}, headers=b, timeout=30),
+        403,
+        "permission_denied",
+        "abort_all",
+    )
     t.join(300)
     assert seen[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert seen[-1]["meta_info"]["completion_tokens"] == 64  # B's aborts did not touch it
     # A may abort its own. The abort races the request's end (400 tokens take ~1 s here), so it
     # is sent from the reading thread at the first chunk; a try the request won anyway is retried.
-    for attempt in range(5):
+    for attempt in range(5):  # noqa: B007 - reported after the loop
         rid2, seen2, started2, aborted = f"tenant-a-{uuid.uuid4().hex}", [], threading.Event(), []
-        abort = lambda: aborted.append(httpx.post(f"{url}/abort_request", json={"rid": rid2}, headers=a, timeout=30))
+
+        def abort(rid2=rid2, aborted=aborted):
+            aborted.append(httpx.post(f"{url}/abort_request", json={"rid": rid2}, headers=a, timeout=30))
+
         stream_tokens(url, a, rid2, 400, seen2, started2, on_first=abort)
         assert aborted and aborted[0].status_code == 200, aborted
         assert seen2, "the stream produced no chunk"
@@ -194,13 +248,21 @@ def test_stored_responses_are_not_a_tenant_api(single):
     # Upstream's Responses API stores responses by id with no owner: any tenant could read
     # another's. It is operator-only (and the store is refused at start-up with tenants).
     url = single.worker("server")
-    for method, path in (("GET", f"/v1/responses/resp_{uuid.uuid4().hex}"), ("POST", "/v1/responses/resp_x/cancel"),
-                         ("POST", "/v1/responses")):
-        assert_error(httpx.request(method, f"{url}{path}", headers=auth(url, "demo-b"), timeout=30), 403, "permission_denied")
-    assert httpx.get(f"{single.url}/v1/responses/resp_x", headers=single.client_headers(), timeout=30).status_code == 404
+    for method, path in (
+        ("GET", f"/v1/responses/resp_{uuid.uuid4().hex}"),
+        ("POST", "/v1/responses/resp_x/cancel"),
+        ("POST", "/v1/responses"),
+    ):
+        assert_error(
+            httpx.request(method, f"{url}{path}", headers=auth(url, "demo-b"), timeout=30), 403, "permission_denied"
+        )
+    assert (
+        httpx.get(f"{single.url}/v1/responses/resp_x", headers=single.client_headers(), timeout=30).status_code == 404
+    )
 
 
 # --- control endpoints -------------------------------------------------------------------------
+
 
 def test_control_endpoints_need_the_operators_assertion(single):
     url = single.worker("server")
@@ -209,7 +271,9 @@ def test_control_endpoints_need_the_operators_assertion(single):
     for path in admin_paths:
         for method in ("GET", "POST"):
             assert_error(httpx.request(method, f"{url}{path}", timeout=30), 401, "invalid_api_key")
-            assert_error(httpx.request(method, f"{url}{path}", headers=auth(url, "demo"), timeout=30), 403, "permission_denied")
+            assert_error(
+                httpx.request(method, f"{url}{path}", headers=auth(url, "demo"), timeout=30), 403, "permission_denied"
+            )
     before = metric(url, "sglang:num_requests_total")
     r = httpx.post(f"{url}/flush_cache", headers=auth(url, "admin"), timeout=30)
     assert r.status_code == 200, r.text
@@ -220,13 +284,18 @@ def test_control_endpoints_need_the_operators_assertion(single):
 
 # --- trusted PD handoff ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("worker", ["prefill-0", "decode-0"])
 @pytest.mark.parametrize("host", ["2.2.2.2", "10.9.9.9", "127.0.0.1"], ids=["fake", "foreign", "wrong-port"])
 def test_a_fake_or_foreign_bootstrap_host_is_refused_straight_to_a_pd_worker(pd, worker, host):
     url = pd.worker(worker)
     t0 = time.monotonic()
-    r = httpx.post(f"{url}/generate", headers=auth(url), timeout=30, json={
-        **GEN, "bootstrap_host": host, "bootstrap_port": 1, "bootstrap_room": 77})
+    r = httpx.post(
+        f"{url}/generate",
+        headers=auth(url),
+        timeout=30,
+        json={**GEN, "bootstrap_host": host, "bootstrap_port": 1, "bootstrap_room": 77},
+    )
     assert time.monotonic() - t0 < 2.0
     assert_error(r, 403, "permission_denied", "bootstrap_host")
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
@@ -245,13 +314,18 @@ def test_the_router_replaces_client_handoff_fields(pd):
     # router's own pairing: the answer is the model's real output, not decode over unwritten pages.
     router = pd.worker("router")
     honest = httpx.post(f"{router}/generate", headers=auth(router), timeout=120, json=GEN)
-    faked = httpx.post(f"{router}/generate", headers=auth(router), timeout=120, json={
-        **GEN, "bootstrap_host": "2.2.2.2", "bootstrap_port": 8998, "bootstrap_room": 5})
+    faked = httpx.post(
+        f"{router}/generate",
+        headers=auth(router),
+        timeout=120,
+        json={**GEN, "bootstrap_host": "2.2.2.2", "bootstrap_port": 8998, "bootstrap_room": 5},
+    )
     assert honest.status_code == faked.status_code == 200, faked.text
     assert faked.json()["output_ids"] == honest.json()["output_ids"]
 
 
 # --- session affinity (two decode workers) -------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def pd2(tmp_path_factory):
@@ -291,22 +365,39 @@ def test_affinity_ids_are_scoped_by_tenant():
 
 # --- no cross-tenant denial of service ----------------------------------------------------------
 
+
 def bad_requests(run):
     """What one tenant can throw at the deployment: every kind of request that is refused."""
     b, url = run.client_headers("demo-b"), run.url
     return [
-        lambda: httpx.post(f"{url}/generate", json=over_length("/generate", True), headers=b, timeout=30),  # 400 gateway
-        lambda: httpx.post(f"{url}/v1/chat/completions", json=over_length("/v1/chat/completions", False), headers=b, timeout=30),
-        lambda: httpx.post(f"{url}/generate", json=GEN, headers={"Authorization": "Bearer g53-stolen"}, timeout=30),  # 401
+        lambda: httpx.post(
+            f"{url}/generate", json=over_length("/generate", True), headers=b, timeout=30
+        ),  # 400 gateway
+        lambda: httpx.post(
+            f"{url}/v1/chat/completions", json=over_length("/v1/chat/completions", False), headers=b, timeout=30
+        ),
+        lambda: httpx.post(
+            f"{url}/generate", json=GEN, headers={"Authorization": "Bearer g53-stolen"}, timeout=30
+        ),  # 401
         lambda: httpx.post(f"{url}/generate", json={**GEN, "input_ids": [5, -1]}, headers=b, timeout=30),  # 400 worker
-        lambda: httpx.post(f"{url}/v1/chat/completions", headers=b, timeout=30, json={  # 400 worker, through the router
-            "model": "glm53-tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1}),
+        lambda: httpx.post(
+            f"{url}/v1/chat/completions",
+            headers=b,
+            timeout=30,
+            json={  # 400 worker, through the router
+                "model": "glm53-tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "temperature": -1,
+            },
+        ),
         lambda: httpx.post(f"{url}/generate", json={**GEN, "bootstrap_host": "2.2.2.2"}, headers=b, timeout=30),
     ]
 
 
 def test_one_tenants_burst_of_bad_requests_does_not_deny_service_to_another(pd):
-    expected = httpx.post(f"{pd.url}/generate", json=GEN, headers=pd.client_headers("demo"), timeout=120).json()["output_ids"]
+    expected = httpx.post(f"{pd.url}/generate", json=GEN, headers=pd.client_headers("demo"), timeout=120).json()[
+        "output_ids"
+    ]
     stop, refused = threading.Event(), []
 
     def burst():

@@ -20,8 +20,10 @@ def deployments(draw):
         caps = [Capacity("single", ctx, draw(kv_s), draw(page_s))]
     else:
         page = draw(page_s)
-        caps = [Capacity("prefill", ctx, draw(kv_s), page),
-                Capacity("decode", ctx, draw(kv_s), page, draw(st.integers(0, 1024)))]
+        caps = [
+            Capacity("prefill", ctx, draw(kv_s), page),
+            Capacity("decode", ctx, draw(kv_s), page, draw(st.integers(0, 1024))),
+        ]
     if all(c.max_input_tokens > 0 for c in caps):
         return caps
     return draw(deployments())
@@ -48,9 +50,16 @@ def documented(caps, prompt, max_new):
 def test_accepts_exactly_when_the_documented_formula_says_so(caps, data):
     limits = Limits.of(caps)
     # Draw around the boundaries, where off-by-one errors live.
-    prompt = data.draw(st.one_of(st.integers(0, 1 << 22), st.integers(limits.max_input_tokens - 2, limits.max_input_tokens + 1)))
-    max_new = data.draw(st.one_of(st.none(), st.integers(0, 1 << 22),
-                                  st.integers(max(0, limits.max_total_tokens - prompt - 1), max(0, limits.max_total_tokens - prompt + 1))))
+    prompt = data.draw(
+        st.one_of(st.integers(0, 1 << 22), st.integers(limits.max_input_tokens - 2, limits.max_input_tokens + 1))
+    )
+    max_new = data.draw(
+        st.one_of(
+            st.none(),
+            st.integers(0, 1 << 22),
+            st.integers(max(0, limits.max_total_tokens - prompt - 1), max(0, limits.max_total_tokens - prompt + 1)),
+        )
+    )
     try:
         check(limits, prompt, max_new)
         accepted = True
@@ -93,8 +102,17 @@ def test_error_body_has_the_openai_shape_and_the_numbers():
     with pytest.raises(ClientError) as e:
         check(Limits(10, 20, 32), 12, 3)
     err = e.value.body()["error"]
-    assert err["type"] == "invalid_request_error" and err["code"] == "context_length_exceeded" and err["param"] == "messages"
-    assert (err["prompt_tokens"], err["max_new_tokens"], err["max_input_tokens"], err["max_total_tokens"]) == (12, 3, 10, 20)
+    assert (
+        err["type"] == "invalid_request_error"
+        and err["code"] == "context_length_exceeded"
+        and err["param"] == "messages"
+    )
+    assert (err["prompt_tokens"], err["max_new_tokens"], err["max_input_tokens"], err["max_total_tokens"]) == (
+        12,
+        3,
+        10,
+        20,
+    )
     assert isinstance(err["message"], str) and "12" in err["message"]
 
 

@@ -40,9 +40,12 @@ def test_assign_req_to_token_pool_matches_reference(case):
         want[r, a:b] = out_cache_loc[off : off + b - a].to(torch.int32)
         off += b - a
     sgl_kernel.assign_req_to_token_pool_cpu(
-        torch.tensor(rows, dtype=torch.int64), got,
-        torch.tensor([a for a, _ in spans], dtype=torch.int64), torch.tensor([b for _, b in spans], dtype=torch.int64),
-        out_cache_loc, pool_len,
+        torch.tensor(rows, dtype=torch.int64),
+        got,
+        torch.tensor([a for a, _ in spans], dtype=torch.int64),
+        torch.tensor([b for _, b in spans], dtype=torch.int64),
+        out_cache_loc,
+        pool_len,
     )
     assert torch.equal(got, want)
 
@@ -60,14 +63,16 @@ def test_copy_all_layer_kv_cache_reads_all_sources_before_writing(rows, data):
     sgl_kernel.copy_all_layer_kv_cache_cpu(
         torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
         torch.tensor([b.stride(0) * b.element_size() for b in bufs], dtype=torch.int64),
-        torch.tensor(tgt, dtype=torch.int64), torch.tensor(src, dtype=torch.int64),
+        torch.tensor(tgt, dtype=torch.int64),
+        torch.tensor(src, dtype=torch.int64),
     )
     for b, w in zip(bufs, want):
         assert torch.equal(b, w)
 
 
-@pytest.mark.parametrize("name", [n for n in sgl_kernel.__all__ if n not in
-                                  ("assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu")])
+@pytest.mark.parametrize(
+    "name", [n for n in sgl_kernel.__all__ if n not in ("assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu")]
+)
 def test_ops_off_our_path_raise_not_implemented_naming_the_op(name):
     with pytest.raises(NotImplementedError, match=name):
         getattr(sgl_kernel, name)()
@@ -81,7 +86,11 @@ def test_unknown_names_stay_import_errors_so_sglang_fallbacks_still_work():
 
 def test_sglang_imports_exactly_what_the_compat_package_provides():
     # The modules that import sgl_kernel CPU ops at import time under SGLANG_USE_CPU_ENGINE=1.
-    for mod in ("sglang.srt.mem_cache.allocation", "sglang.kernels.ops.kvcache.cache_move",
-                "sglang.kernels.ops.speculative.eagle", "sglang.kernels.ops.speculative.cache_locs",
-                "sglang.kernels.ops.speculative.spec_tree"):
+    for mod in (
+        "sglang.srt.mem_cache.allocation",
+        "sglang.kernels.ops.kvcache.cache_move",
+        "sglang.kernels.ops.speculative.eagle",
+        "sglang.kernels.ops.speculative.cache_locs",
+        "sglang.kernels.ops.speculative.spec_tree",
+    ):
         importlib.import_module(mod)

@@ -27,8 +27,15 @@ class JsonRequest:
 
 @pytest.fixture(scope="module")
 def gw():
-    return Gateway(GatewayConfig(upstream="http://127.0.0.1:9", model_path=str(tiny.ensure()),
-                                 served_model_name="glm53-tiny", context_length=512, limits=LIMITS))
+    return Gateway(
+        GatewayConfig(
+            upstream="http://127.0.0.1:9",
+            model_path=str(tiny.ensure()),
+            served_model_name="glm53-tiny",
+            context_length=512,
+            limits=LIMITS,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,28 +50,49 @@ def test_the_tiny_tokenizer_is_bounded_by_its_bytes(gw):
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_no_text_has_more_tokens_than_utf8_bytes(gw, specials, data):
-    pieces = st.one_of(st.text(max_size=40), st.sampled_from(specials), st.sampled_from([" ", "\n", "  \t", "\u00e9", "\U0001F600"]))
+    pieces = st.one_of(
+        st.text(max_size=40), st.sampled_from(specials), st.sampled_from([" ", "\n", "  \t", "\u00e9", "\U0001f600"])
+    )
     text = "".join(data.draw(st.lists(pieces, max_size=12)))
     assert gw.counter.encode(text) <= gw.counter.at_most(text)
 
 
 def _spec(**parts):
-    base = {"normalizer": None, "model": {"type": "BPE"},
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False}}
+    base = {
+        "normalizer": None,
+        "model": {"type": "BPE"},
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False},
+    }
     return json.dumps({**base, **parts})
 
 
-@pytest.mark.parametrize("spec, bounded", [
-    (_spec(), True),
-    (_spec(pre_tokenizer={"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": "\\s+"}}, {"type": "ByteLevel", "add_prefix_space": False}]}), True),
-    (_spec(normalizer={"type": "NFKC"}), False),  # expands: U+FDFA, 3 bytes, is 18 letters
-    (_spec(pre_tokenizer={"type": "ByteLevel", "add_prefix_space": True}), False),  # adds a byte
-    (_spec(pre_tokenizer={"type": "Metaspace", "replacement": "\u2581"}), False),  # adds a "\u2581"
-    (_spec(model={"type": "Unigram"}), False),
-    (_spec(pre_tokenizer={"type": "Sequence", "pretokenizers": [{"type": "Metaspace"}, {"type": "ByteLevel"}]}), False),
-    (_spec(pre_tokenizer=None), False),  # no byte-level start: unknown characters
-])
+@pytest.mark.parametrize(
+    "spec, bounded",
+    [
+        (_spec(), True),
+        (
+            _spec(
+                pre_tokenizer={
+                    "type": "Sequence",
+                    "pretokenizers": [
+                        {"type": "Split", "pattern": {"Regex": "\\s+"}},
+                        {"type": "ByteLevel", "add_prefix_space": False},
+                    ],
+                }
+            ),
+            True,
+        ),
+        (_spec(normalizer={"type": "NFKC"}), False),  # expands: U+FDFA, 3 bytes, is 18 letters
+        (_spec(pre_tokenizer={"type": "ByteLevel", "add_prefix_space": True}), False),  # adds a byte
+        (_spec(pre_tokenizer={"type": "Metaspace", "replacement": "\u2581"}), False),  # adds a "\u2581"
+        (_spec(model={"type": "Unigram"}), False),
+        (
+            _spec(pre_tokenizer={"type": "Sequence", "pretokenizers": [{"type": "Metaspace"}, {"type": "ByteLevel"}]}),
+            False,
+        ),
+        (_spec(pre_tokenizer=None), False),  # no byte-level start: unknown characters
+    ],
+)
 def test_the_bound_is_only_claimed_for_tokenizers_that_keep_it(spec, bounded):
     assert tokens_at_most_bytes(spec) is bounded
 

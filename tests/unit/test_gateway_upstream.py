@@ -27,6 +27,7 @@ async def generate(request):
     body = await request.json()
     delay = float(request.query_params.get("delay", 0))
     if body.get("stream"):
+
         async def events():
             ended = "cut"
             try:
@@ -37,6 +38,7 @@ async def generate(request):
                 ended = "done"
             finally:
                 STREAMS_ENDED.append(ended)
+
         return StreamingResponse(events(), media_type="text/event-stream")
     await asyncio.sleep(delay)
     return JSONResponse({"text": "ok", "peer": request.client.port})
@@ -45,8 +47,9 @@ async def generate(request):
 def serve(app):
     """`app` on a real uvicorn in a thread (the gateway's own HTTP stack: httptools, uvloop)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           loop="uvloop", http="httptools"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", http="httptools")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -62,9 +65,15 @@ def upstream():
 
 
 def gateway_config(upstream_url: str, timeout_s: float = 30.0) -> GatewayConfig:
-    return GatewayConfig(upstream=upstream_url, model_path=str(tiny.ensure()), served_model_name="glm53-tiny",
-                         context_length=512, limits=Limits(506, 510, 512), upstream_timeout_s=timeout_s,
-                         connect_timeout_s=2.0)
+    return GatewayConfig(
+        upstream=upstream_url,
+        model_path=str(tiny.ensure()),
+        served_model_name="glm53-tiny",
+        context_length=512,
+        limits=Limits(506, 510, 512),
+        upstream_timeout_s=timeout_s,
+        connect_timeout_s=2.0,
+    )
 
 
 def gateway(upstream_url: str, timeout_s: float = 30.0) -> TestClient:
@@ -77,8 +86,12 @@ def test_an_upstream_slower_than_the_timeout_is_a_504_with_the_contract_body(ups
         r = gw.post("/generate?delay=3", json=BODY)
         took = time.monotonic() - t0
         assert r.status_code == 504 and took < 3, (r.status_code, took)
-        assert r.json()["error"] == {"message": "The model server did not answer in time.", "type": "server_error",
-                                     "param": None, "code": "upstream_timeout"}
+        assert r.json()["error"] == {
+            "message": "The model server did not answer in time.",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_timeout",
+        }
         assert gw.post("/generate", json=BODY).json()["text"] == "ok"  # and the next one is served
 
 
@@ -101,8 +114,12 @@ def test_a_gateway_failure_is_a_500_with_the_contract_body_and_other_routes_stil
     with TestClient(app, raise_server_exceptions=False) as gw:
         r = gw.post("/generate", json=BODY)
         assert r.status_code == 500 and r.headers["content-type"] == "application/json"
-        assert r.json()["error"] == {"message": "The gateway failed on this request.", "type": "server_error",
-                                     "param": None, "code": "internal_error"}
+        assert r.json()["error"] == {
+            "message": "The gateway failed on this request.",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        }
         assert 'reason="internal_error"' in gw.get("/metrics").text
         assert gw.get("/v1/models").json()["data"][0]["max_model_len"] == 512
         assert gw.get("/generate").status_code == 405 and gw.post("/nowhere").status_code == 404
@@ -162,7 +179,8 @@ def test_the_gateway_process_freezes_its_start_up_heap():
         "from glm53_serving.gateway.__main__ import built\n"
         "from tests.unit.test_gateway_upstream import gateway_config\n"
         "built(gateway_config('http://127.0.0.1:9', 5.0))\n"
-        "print(gc.get_freeze_count(), len(gc.get_objects()))\n")
+        "print(gc.get_freeze_count(), len(gc.get_objects()))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     frozen, collectable = map(int, out.stdout.split())
     assert frozen > 100_000 and collectable < frozen / 10, out.stdout

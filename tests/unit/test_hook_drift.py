@@ -44,6 +44,8 @@ def test_verify_applied_reports_unapplied_rows():
 
 
 def test_verify_applied_reports_unresolvable_target():
-    bogus = hooks.Hook("sglang.srt.no_such_module.fn", hooks.Kind.AFTER, "glm53_serving.startup:scheduler_verified_info", (), "test")
+    bogus = hooks.Hook(
+        "sglang.srt.no_such_module.fn", hooks.Kind.AFTER, "glm53_serving.startup:scheduler_verified_info", (), "test"
+    )
     (line,) = hooks.verify_applied((bogus,))
     assert "cannot resolve" in line

@@ -4,11 +4,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from glm53_serving.env import PREFILL_BOOTSTRAP
 from glm53_serving.errors import ClientError
-from glm53_serving.intake import FAKE_BOOTSTRAP_HOST, TRUSTED_BOOTSTRAP_ENV, check_pd_routing, check_token_ids
+from glm53_serving.intake import FAKE_BOOTSTRAP_HOST, check_pd_routing, check_token_ids
 
 
-@given(st.lists(st.integers(-2**40, 2**40), max_size=50), st.integers(1, 200_000))
+@given(st.lists(st.integers(-(2**40), 2**40), max_size=50), st.integers(1, 200_000))
 def test_token_ids_accepted_exactly_inside_the_vocabulary(ids, vocab):
     inside = all(0 <= i < vocab for i in ids)
     try:
@@ -29,14 +30,14 @@ def test_pd_roles_need_routing_fields(role):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_pd_roles_take_only_the_deployments_prefill_endpoints(role, monkeypatch):
-    monkeypatch.setenv(TRUSTED_BOOTSTRAP_ENV, "127.0.0.1:8998, 10.0.0.2:9000")
+    monkeypatch.setenv(PREFILL_BOOTSTRAP.name, "127.0.0.1:8998, 10.0.0.2:9000")
     check_pd_routing(role, "127.0.0.1", 7, 8998)
     check_pd_routing(role, "10.0.0.2", 7, 9000)
     for host, port in (("127.0.0.1", 8999), ("10.0.0.3", 9000), ("evil.example", 8998)):
         with pytest.raises(ClientError) as e:
             check_pd_routing(role, host, 7, port)
         assert e.value.status == 403 and e.value.param == "bootstrap_host"
-    monkeypatch.delenv(TRUSTED_BOOTSTRAP_ENV)
+    monkeypatch.delenv(PREFILL_BOOTSTRAP.name)
     with pytest.raises(ClientError):  # no configured endpoints: nothing is trusted
         check_pd_routing(role, "127.0.0.1", 7, 8998)
 

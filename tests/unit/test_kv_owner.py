@@ -14,15 +14,19 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from glm53_serving import kv_guard, kv_owner
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+from glm53_serving import kv_guard, kv_owner
+
 SIZE, LAYERS, ROWS, MAXLEN = 64, 2, 12, 48
-OWNERS = [kv_owner.namespace_id(None, None), kv_owner.namespace_id("tenant-a", None),
-          kv_owner.namespace_id("tenant-b", None), kv_owner.namespace_id(None, "lora-x")]
+OWNERS = [
+    kv_owner.namespace_id(None, None),
+    kv_owner.namespace_id("tenant-a", None),
+    kv_owner.namespace_id("tenant-b", None),
+    kv_owner.namespace_id(None, "lora-x"),
+]
 
 
 def make(page_size, mla=False):
@@ -79,8 +83,9 @@ class OwnerTags(RuleBasedStateMachine):
         return self.r2t[row, :n].to(torch.int64)
 
     def _check(self, row, owner, n) -> torch.Tensor:
-        return kv_owner.foreign(self.alloc, self.r2t, torch.tensor([row]), torch.tensor([n]), MAXLEN,
-                                torch.tensor([owner]))[0]
+        return kv_owner.foreign(
+            self.alloc, self.r2t, torch.tensor([row]), torch.tensor([n]), MAXLEN, torch.tensor([owner])
+        )[0]
 
     def _claim(self, slots, owner):
         kv_owner.claim(self.alloc, slots, torch.full((slots.numel(),), owner, dtype=torch.int64))
@@ -106,8 +111,14 @@ class OwnerTags(RuleBasedStateMachine):
             new = self.alloc.alloc(n)
         else:
             last = pre[-1:] if pre.numel() else torch.tensor([-1])
-            new = self.alloc.alloc_extend(torch.tensor([pre.numel()]), torch.tensor([pre.numel()]),
-                                          torch.tensor([total]), torch.tensor([total]), last, n)
+            new = self.alloc.alloc_extend(
+                torch.tensor([pre.numel()]),
+                torch.tensor([pre.numel()]),
+                torch.tensor([total]),
+                torch.tensor([total]),
+                last,
+                n,
+            )
         if new is None:
             return
         new = guarded(self.alloc, new)
@@ -115,7 +126,7 @@ class OwnerTags(RuleBasedStateMachine):
         self._claim(new, owner)
         row = self.free_rows.pop()
         self.r2t[row, : pre.numel()] = pre.to(torch.int32)
-        self.r2t[row, pre.numel(): total] = new.to(torch.int32)
+        self.r2t[row, pre.numel() : total] = new.to(torch.int32)
         assert not self._check(row, owner, total).any(), "an owner failed the check on its own pages"
         self._write(new, owner)
         if prefix is not None:
@@ -132,7 +143,7 @@ class OwnerTags(RuleBasedStateMachine):
         if self.p == 1:
             new = self.alloc.alloc(1)
         else:
-            last = self.r2t[row, r["len"] - 1: r["len"]].to(torch.int64)
+            last = self.r2t[row, r["len"] - 1 : r["len"]].to(torch.int64)
             new = self.alloc.alloc_decode(torch.tensor([r["len"] + 1]), torch.tensor([r["len"] + 1]), last)
         if new is None:
             return
@@ -150,7 +161,7 @@ class OwnerTags(RuleBasedStateMachine):
         row = sorted(self.live)[pick % len(self.live)]
         r = self.live.pop(row)
         slots = self._row(row, r["len"])
-        own = slots[r["shared"]:]
+        own = slots[r["shared"] :]
         if r["prefix"] is not None:
             r["prefix"]["users"] -= 1
         if keep and r["prefix"] is None:
@@ -195,7 +206,7 @@ class OwnerTags(RuleBasedStateMachine):
         for c in self.cache:
             held.append((c["slots"], c["owner"]))
         for row, r in self.live.items():
-            held.append((self._row(row, r["len"])[r["shared"]:], r["owner"]))
+            held.append((self._row(row, r["len"])[r["shared"] :], r["owner"]))
         for slots, owner in held:
             pages = torch.unique(slots // self.p)
             assert ((expected[pages] == 0) | (expected[pages] == owner)).all(), "a page is held by two owners"
@@ -206,8 +217,9 @@ class OwnerTags(RuleBasedStateMachine):
 
     @invariant()
     def no_page_leaks(self):
-        used = sum(int(torch.unique(self._row(row, r["len"])[r["shared"]:] // self.p).numel())
-                   for row, r in self.live.items())
+        used = sum(
+            int(torch.unique(self._row(row, r["len"])[r["shared"] :] // self.p).numel()) for row, r in self.live.items()
+        )
         used += sum(int(torch.unique(c["slots"] // self.p).numel()) for c in self.cache)
         assert used * self.p + self.alloc.available_size() == SIZE
 
@@ -232,25 +244,45 @@ TestOwnerTagsMLA.settings = _settings
 
 # --- the batch-level hooks and a violation, on a minimal stand-in for ScheduleBatch -----------
 
+
 def _batch(alloc, reqs, rows, lens):
     r2t = torch.zeros(ROWS, MAXLEN, dtype=torch.int32)
     tree = SimpleNamespace(token_to_kv_pool_allocator=alloc, supports_prefix_sharing=lambda: False)
-    return SimpleNamespace(tree_cache=tree, req_to_token_pool=SimpleNamespace(req_to_token=r2t), reqs=reqs,
-                           req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens),
-                           seq_lens_cpu=torch.tensor(lens))
+    return SimpleNamespace(
+        tree_cache=tree,
+        req_to_token_pool=SimpleNamespace(req_to_token=r2t),
+        reqs=reqs,
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(lens),
+        seq_lens_cpu=torch.tensor(lens),
+    )
 
 
 def _req(rid, salt, protected=0):
-    return SimpleNamespace(rid=rid, cache_salt=salt, extra_key=None, to_finish=None, skip_radix_cache_insert=False,
-                           kv=SimpleNamespace(cache_protected_len=protected))
+    return SimpleNamespace(
+        rid=rid,
+        cache_salt=salt,
+        extra_key=None,
+        to_finish=None,
+        skip_radix_cache_insert=False,
+        kv=SimpleNamespace(cache_protected_len=protected),
+    )
 
 
 def _check(batch, new=None):
     n = len(batch.reqs)
-    new = new or kv_owner._Fresh(starts=batch.seq_lens_cpu.tolist(), slots=torch.empty(0, dtype=torch.int64),
-                                 offsets=[0] * (n + 1))
-    kv_owner.check_batch(batch, batch.req_pool_indices, batch.seq_lens, int(batch.seq_lens_cpu.max()),
-                         kv_owner._owners(batch.reqs, "cpu"), new, where="decode")
+    new = new or kv_owner._Fresh(
+        starts=batch.seq_lens_cpu.tolist(), slots=torch.empty(0, dtype=torch.int64), offsets=[0] * (n + 1)
+    )
+    kv_owner.check_batch(
+        batch,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        int(batch.seq_lens_cpu.max()),
+        kv_owner._owners(batch.reqs, "cpu"),
+        new,
+        where="decode",
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -275,8 +307,14 @@ def test_a_violation_aborts_only_that_request_and_its_forward_reads_zeros(page_s
     row_b = batch.req_to_token_pool.req_to_token[2, :8].to(torch.int64)
     assert not torch.isin(row_b, sa).any(), "b's row still reaches a's pages"
     assert torch.count_nonzero(pool.k_buffer[0][row_b[3]]) == 0, "the redirected page must read zeros"
-    assert not kv_owner.foreign(alloc, batch.req_to_token_pool.req_to_token, torch.tensor([2]), torch.tensor([8]),
-                                MAXLEN, torch.tensor([kv_owner.owner_of(b)])).any()
+    assert not kv_owner.foreign(
+        alloc,
+        batch.req_to_token_pool.req_to_token,
+        torch.tensor([2]),
+        torch.tensor([8]),
+        MAXLEN,
+        torch.tensor([kv_owner.owner_of(b)]),
+    ).any()
     assert alloc.available_size() == free_before - page_size  # one fresh page, owned by b, freed with it
     # The overlap scheduler builds one more batch with b before its abort lands: no second repair.
     _check(batch)

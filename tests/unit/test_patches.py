@@ -26,8 +26,12 @@ def test_patch_applies_to_pinned_sglang(patch, tmp_path):
     for f in files:
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(SITE / f, tmp_path / f)
-    out = subprocess.run(["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-d", str(tmp_path)],
-                         input=text, capture_output=True, text=True)
+    out = subprocess.run(
+        ["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-d", str(tmp_path)],
+        input=text,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "offset" not in out.stdout and "fuzz" not in out.stdout, out.stdout  # cleanly, not approximately
     for f in files:

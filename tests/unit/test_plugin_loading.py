@@ -27,8 +27,8 @@ def run_probe(**env):
     e.update(SGLANG_USE_CPU_ENGINE="1", **env)
     out = subprocess.run([sys.executable, "-c", PROBE], env=e, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):]), out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :]), out.stderr
 
 
 def test_entry_point_registers_and_every_hook_applies():

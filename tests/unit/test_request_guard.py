@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from glm53_serving import request_guard
+from glm53_serving import env, request_guard
 
 LIMIT = 1024
 READ = []
@@ -19,14 +19,15 @@ async def upstream_generate(request):
     READ.append(len(await request.body()))
     shape = request.query_params.get("shape")
     if shape == "str":
-        return JSONResponse({"error": "invalid type: string \"hot\", expected f64"}, status_code=400)
+        return JSONResponse({"error": 'invalid type: string "hot", expected f64'}, status_code=400)
     if shape == "object":
         return JSONResponse({"object": "error", "message": "Messages cannot be empty.", "code": 400}, status_code=400)
     if shape == "text":
         return PlainTextResponse("Not Found", status_code=404)
     if shape == "contract":
-        return JSONResponse({"error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}},
-                            status_code=400)
+        return JSONResponse(
+            {"error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}}, status_code=400
+        )
     return JSONResponse({"text": "ok"})
 
 
@@ -36,25 +37,38 @@ async def upstream_other(request):
 
 @pytest.fixture
 def client(monkeypatch):
-    monkeypatch.setenv(request_guard.MAX_BODY_ENV, str(LIMIT))
-    app = Starlette(routes=[Route("/generate", upstream_generate, methods=["POST"]),
-                            Route("/v1/messages", upstream_other, methods=["POST"])])
+    monkeypatch.setenv(env.MAX_BODY_BYTES.name, str(LIMIT))
+    app = Starlette(
+        routes=[
+            Route("/generate", upstream_generate, methods=["POST"]),
+            Route("/v1/messages", upstream_other, methods=["POST"]),
+        ]
+    )
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=LIMIT)
     app.add_middleware(request_guard.ContractErrors)
     READ.clear()
     return TestClient(app)
 
 
-@pytest.mark.parametrize("shape,status,message", [
-    ("str", 400, 'invalid type: string "hot", expected f64'),
-    ("object", 400, "Messages cannot be empty."),
-    ("text", 404, "Not Found"),
-])
+@pytest.mark.parametrize(
+    "shape,status,message",
+    [
+        ("str", 400, 'invalid type: string "hot", expected f64'),
+        ("object", 400, "Messages cannot be empty."),
+        ("text", 404, "Not Found"),
+    ],
+)
 def test_upstream_rejections_get_the_contract_shape(client, shape, status, message):
     r = client.post(f"/generate?shape={shape}", json={})
     assert r.status_code == status
-    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                  "code": "not_found" if status == 404 else "invalid_request_error"}}
+    assert r.json() == {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found" if status == 404 else "invalid_request_error",
+        }
+    }
 
 
 def test_contract_bodies_and_successes_pass_unchanged(client):
@@ -71,9 +85,13 @@ def test_other_endpoints_keep_their_own_error_shape(client):
 def test_declared_oversize_body_is_413_before_the_handler_reads_it(client):
     r = client.post("/generate", content=b"x" * (LIMIT + 1))
     assert r.status_code == 413 and READ == []
-    assert r.json()["error"] == {"message": f"Request body exceeds the limit of {LIMIT} bytes.",
-                                 "type": "invalid_request_error", "param": None, "code": "request_too_large",
-                                 "max_body_bytes": LIMIT}
+    assert r.json()["error"] == {
+        "message": f"Request body exceeds the limit of {LIMIT} bytes.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+        "max_body_bytes": LIMIT,
+    }
 
 
 def test_chunked_oversize_body_is_413(client):
@@ -84,8 +102,14 @@ def test_chunked_oversize_body_is_413(client):
 def test_the_gateway_unwraps_a_workers_contract_error_from_the_routers_rewrite():
     from glm53_serving.gateway.app import worker_error_inside
 
-    inner = {"error": {"message": "KV isolation violation", "type": "server_error", "param": None,
-                       "code": "kv_isolation_violation"}}
+    inner = {
+        "error": {
+            "message": "KV isolation violation",
+            "type": "server_error",
+            "param": None,
+            "code": "kv_isolation_violation",
+        }
+    }
     for wrapped in (json.dumps(inner), "Decode server error: " + json.dumps(inner) + " (status 500)"):
         assert worker_error_inside(wrapped) == inner
     for other in (None, 3, "", "plain text", '{"error": {"code": "decode_error", "message": "x"}}', "{broken"):
@@ -97,10 +121,14 @@ def test_the_gateway_knows_the_kv_guards_messages_the_router_keeps():
 
     ours = f"{KV_ISOLATION_MESSAGE} this request's ..."
     assert code_from_message(ours) == ("kv_isolation_violation", ours)
-    assert code_from_message(f"{KV_HANDOFF_MESSAGE} prefill sent ...") == ("kv_handoff_mismatch",
-                                                                          f"{KV_HANDOFF_MESSAGE} prefill sent ...")
+    assert code_from_message(f"{KV_HANDOFF_MESSAGE} prefill sent ...") == (
+        "kv_handoff_mismatch",
+        f"{KV_HANDOFF_MESSAGE} prefill sent ...",
+    )
     # PD decode wraps the reason prefill gave for failing the transfer in its own message.
-    wrapped = f"Decode transfer failed for request rank=0 rid='r' with exception KVTransferError(bootstrap_room=7): {ours}"
+    wrapped = (
+        f"Decode transfer failed for request rank=0 rid='r' with exception KVTransferError(bootstrap_room=7): {ours}"
+    )
     assert code_from_message(wrapped) == ("kv_isolation_violation", ours)
     # The router cuts a PD stream's error body mid-JSON; the message still ends at its closing quote.
     cut = 'data: {\'error\': {"message":{"error":{"message":"' + ours + '","type":"server_error","code":"kv_is'

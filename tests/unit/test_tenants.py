@@ -33,8 +33,13 @@ def test_add_tenant_stores_only_the_hash_and_the_key_identifies_the_tenant(tmp_p
 
 def test_the_cli_prints_a_new_key_once(tmp_path):
     f = tmp_path / "t.toml"
-    out = subprocess.run([sys.executable, "-m", "glm53_serving.tenants", "add", str(f), "acme"],
-                         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    out = subprocess.run(
+        [sys.executable, "-m", "glm53_serving.tenants", "add", str(f), "acme"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     key = out.stdout.strip()
     assert key.startswith(tenants.KEY_PREFIX) and "not be shown again" in out.stderr
     assert tenants.TenantsFile.load(f).tenant_of(f"Bearer {key}") == "acme"
@@ -96,11 +101,20 @@ def test_control_endpoints_are_admin_and_unknown_paths_fail_closed():
     from sglang.srt.utils.auth import AuthLevel
 
     for r in app.routes:  # everything upstream itself marks as admin-level is admin here
-        if getattr(getattr(r, "endpoint", None), "_auth_level", None) in (AuthLevel.ADMIN_OPTIONAL, AuthLevel.ADMIN_FORCE):
+        if getattr(getattr(r, "endpoint", None), "_auth_level", None) in (
+            AuthLevel.ADMIN_OPTIONAL,
+            AuthLevel.ADMIN_FORCE,
+        ):
             if r.path != "/abort_request":  # tenants may abort their own requests (ownership-checked)
                 assert ROUTES[r.path] is Access.ADMIN, r.path
-    for p in ("/flush_cache", "/update_weights_from_disk", "/server_info", "/pd_role_switch", "/new_upstream_thing",
-              "/generate/../flush_cache"):
+    for p in (
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/server_info",
+        "/pd_role_switch",
+        "/new_upstream_thing",
+        "/generate/../flush_cache",
+    ):
         assert access_of(p) is Access.ADMIN, p
     assert access_of("/v1/responses/resp_123") is Access.ADMIN
     assert access_of("/v1/models/glm53-tiny") is Access.OPEN

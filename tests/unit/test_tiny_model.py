@@ -19,7 +19,11 @@ def test_layout_and_moe_family(tmp_path):
     d = tiny.ensure(tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["Glm4MoeForCausalLM"]
-    assert cfg["first_k_dense_replace"] == 1 and cfg["n_shared_experts"] == 1 and cfg["n_routed_experts"] > cfg["num_experts_per_tok"]
+    assert (
+        cfg["first_k_dense_replace"] == 1
+        and cfg["n_shared_experts"] == 1
+        and cfg["n_routed_experts"] > cfg["num_experts_per_tok"]
+    )
     from safetensors import safe_open
 
     with safe_open(d / "model.safetensors", "pt") as f:

@@ -3,7 +3,6 @@
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -41,7 +40,9 @@ def test_cpu_default_derives_cpu_only_settings():
 
 def test_gpu_topology_gets_no_cpu_settings(tmp_path):
     p = tmp_path / "gpu.toml"
-    p.write_text('topology = "pd"\ndevice = "cuda"\n[model]\npath = "/models/x"\ncontext_length = 4096\n[worker]\nkv_tokens = 8192\n')
+    p.write_text(
+        'topology = "pd"\ndevice = "cuda"\n[model]\npath = "/models/x"\ncontext_length = 4096\n[worker]\nkv_tokens = 8192\n'
+    )
     topo = Topology.load(p)
     assert "SGLANG_USE_CPU_ENGINE" not in topo.process_env()
     argv = topo.server_argv("/m", 1, "decode")
@@ -51,23 +52,26 @@ def test_gpu_topology_gets_no_cpu_settings(tmp_path):
 M = '[model]\npreset = "glm53-tiny"\ncontext_length = 512\n[worker]\nkv_tokens = 2048\n'
 
 
-@pytest.mark.parametrize("body, msg", [
-    ('topology = "ring"\n' + M, "topology must be"),
-    ('[model]\npreset = "glm53-tiny"\npath = "/x"\n', "exactly one of preset, path"),
-    ('[model]\npreset = "llama"\n', "model.preset"),
-    (M + '[decode]\ncount = 0\n', "at least one server"),
-    ('nonsense = 1\n' + M, "nonsense"),
-    ('[model]\npreset = "glm53-tiny"\ncontext_length = 512\n', "KV budget"),
-    ('[model]\npreset = "glm53-tiny"\n[worker]\nkv_tokens = 9\n', "context_length"),
-    (M.replace('[worker]\n', '[worker]\nargs = ["--max-total-tokens", "9"]\n'), "through the topology"),
-    (M + '[gateway]\nmax_body_bytes = 100\n[router]\nmax_payload_bytes = 50\n', "grow inward"),
-    (M.replace('[worker]\n', '[worker]\nmax_body_bytes = 10\n'), "grow inward"),
-    (M + '[decode]\nmax_body_bytes = 10\n', "set it in \\[worker\\]"),
-    (M + '[gateway]\nupstream_timeout_s = 100\n[router]\nrequest_timeout_s = 100\n', "gateway answers first"),
-    (M + '[router]\nargs = ["--max-payload-size", "9"]\n', "max_payload_bytes"),
-    (M + '[router]\nargs = ["--retry-max-retries", "3"]\n', "without retries"),
-    (M + '[router]\nargs = ["--cb-failure-threshold", "50"]\n', "without a circuit breaker"),
-])
+@pytest.mark.parametrize(
+    "body, msg",
+    [
+        ('topology = "ring"\n' + M, "topology must be"),
+        ('[model]\npreset = "glm53-tiny"\npath = "/x"\n', "exactly one of preset, path"),
+        ('[model]\npreset = "llama"\n', "model.preset"),
+        (M + "[decode]\ncount = 0\n", "at least one server"),
+        ("nonsense = 1\n" + M, "nonsense"),
+        ('[model]\npreset = "glm53-tiny"\ncontext_length = 512\n', "KV budget"),
+        ('[model]\npreset = "glm53-tiny"\n[worker]\nkv_tokens = 9\n', "context_length"),
+        (M.replace("[worker]\n", '[worker]\nargs = ["--max-total-tokens", "9"]\n'), "through the topology"),
+        (M + "[gateway]\nmax_body_bytes = 100\n[router]\nmax_payload_bytes = 50\n", "grow inward"),
+        (M.replace("[worker]\n", "[worker]\nmax_body_bytes = 10\n"), "grow inward"),
+        (M + "[decode]\nmax_body_bytes = 10\n", "set it in \\[worker\\]"),
+        (M + "[gateway]\nupstream_timeout_s = 100\n[router]\nrequest_timeout_s = 100\n", "gateway answers first"),
+        (M + '[router]\nargs = ["--max-payload-size", "9"]\n', "max_payload_bytes"),
+        (M + '[router]\nargs = ["--retry-max-retries", "3"]\n', "without retries"),
+        (M + '[router]\nargs = ["--cb-failure-threshold", "50"]\n', "without a circuit breaker"),
+    ],
+)
 def test_bad_topologies_fail_at_load(tmp_path, body, msg):
     p = tmp_path / "bad.toml"
     p.write_text(body)
@@ -76,17 +80,25 @@ def test_bad_topologies_fail_at_load(tmp_path, body, msg):
 
 
 def test_dry_run_prints_every_process_and_the_client_url():
-    out = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--dry-run"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "glm53_serving.launch", "--dry-run"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "# prefill-0" in out.stdout and "# decode-0" in out.stdout and "# router" in out.stdout
     assert "sglang_router.launch_router --pd-disaggregation" in out.stdout
-    single = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--dry-run", "--topology", "single"],
-                            capture_output=True, text=True, timeout=60)
+    single = subprocess.run(
+        [sys.executable, "-m", "glm53_serving.launch", "--dry-run", "--topology", "single"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "# server" in single.stdout and "router" not in single.stdout
 
 
 def test_help_documents_the_launcher():
-    out = subprocess.run([sys.executable, "-m", "glm53_serving.launch", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "glm53_serving.launch", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "--topology" in out.stdout and "Ctrl-C" in out.stdout
 
 
@@ -97,8 +109,11 @@ def topo_with(tmp_path, body):
 
 
 def test_incident_configuration_refuses_with_both_numbers_and_both_ways_out(tmp_path):
-    topo = topo_with(tmp_path, '[model]\npath = "/m"\ncontext_length = 1048576\n'
-                               '[prefill]\nkv_tokens = 681280\n[decode]\nkv_tokens = 2000000\n')
+    topo = topo_with(
+        tmp_path,
+        '[model]\npath = "/m"\ncontext_length = 1048576\n'
+        "[prefill]\nkv_tokens = 681280\n[decode]\nkv_tokens = 2000000\n",
+    )
     with pytest.raises(ValueError) as e:
         topo.admission_plan()
     msg = str(e.value)
@@ -107,20 +122,28 @@ def test_incident_configuration_refuses_with_both_numbers_and_both_ways_out(tmp_
 
 
 def test_clamp_switch_advertises_the_smallest_pool(tmp_path):
-    topo = topo_with(tmp_path, '[model]\npath = "/m"\ncontext_length = 1048576\n[admission]\nclamp_context_to_kv = true\n'
-                               '[prefill]\nkv_tokens = 681280\n[decode]\nkv_tokens = 2000000\n')
+    topo = topo_with(
+        tmp_path,
+        '[model]\npath = "/m"\ncontext_length = 1048576\n[admission]\nclamp_context_to_kv = true\n'
+        "[prefill]\nkv_tokens = 681280\n[decode]\nkv_tokens = 2000000\n",
+    )
     ctx, limits = topo.admission_plan()
     assert ctx == 681280 and limits.context_length == 681280
     assert limits.max_input_tokens == 681280 - 1 - 5
-    assert "--context-length" in (argv := topo.server_argv("/m", 1, "decode")) and argv[argv.index("--context-length") + 1] == "681280"
+    assert (
+        "--context-length" in (argv := topo.server_argv("/m", 1, "decode"))
+        and argv[argv.index("--context-length") + 1] == "681280"
+    )
 
 
 def test_deployment_limits_reach_every_server(tmp_path):
     topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml")
-    from glm53_serving.admission import LIMITS_ENV, Limits
     import json
 
-    limits = Limits(**json.loads(topo.process_env()[LIMITS_ENV]))
+    from glm53_serving import env
+    from glm53_serving.admission import Limits
+
+    limits = Limits(**json.loads(topo.process_env()[env.DEPLOYMENT_LIMITS.name]))
     assert limits.max_input_tokens == 506 and limits.max_total_tokens == 510  # docs/admission.md worked example
 
 

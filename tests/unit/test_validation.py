@@ -28,83 +28,144 @@ def rejected(endpoint, body, **kw) -> ClientError:
     return e.value
 
 
-@pytest.mark.parametrize("endpoint,body", [
-    (v.GENERATE, {"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
-                                                     "stop": ["x"], "stop_token_ids": [3], "n": 2, "sampling_seed": 7}}),
-    (v.GENERATE, {"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}),
-    (v.GENERATE, {"text": "hi", "return_logprob": True, "top_logprobs_num": 20}),
-    (v.COMPLETIONS, {"model": "m", "prompt": "hi", "max_tokens": 4, "logprobs": 5, "n": 2, "best_of": 3, "seed": 1}),
-    (v.CHAT, {"model": "m", "messages": MSG, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 20,
-              "temperature": 0, "frequency_penalty": -2, "presence_penalty": 2, "stop": "x"}),
-    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
-])
+@pytest.mark.parametrize(
+    "endpoint,body",
+    [
+        (
+            v.GENERATE,
+            {
+                "text": "hi",
+                "sampling_params": {
+                    "max_new_tokens": 4,
+                    "temperature": 0.7,
+                    "top_p": 0.9,
+                    "top_k": 5,
+                    "stop": ["x"],
+                    "stop_token_ids": [3],
+                    "n": 2,
+                    "sampling_seed": 7,
+                },
+            },
+        ),
+        (v.GENERATE, {"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}),
+        (v.GENERATE, {"text": "hi", "return_logprob": True, "top_logprobs_num": 20}),
+        (
+            v.COMPLETIONS,
+            {"model": "m", "prompt": "hi", "max_tokens": 4, "logprobs": 5, "n": 2, "best_of": 3, "seed": 1},
+        ),
+        (
+            v.CHAT,
+            {
+                "model": "m",
+                "messages": MSG,
+                "max_completion_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 20,
+                "temperature": 0,
+                "frequency_penalty": -2,
+                "presence_penalty": 2,
+                "stop": "x",
+            },
+        ),
+        (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+    ],
+)
 def test_valid_requests_pass(endpoint, body):
     check(endpoint, body)
 
 
-@pytest.mark.parametrize("endpoint,body,param", [
-    # SGLang's SamplingParams.verify, attributed to the field as the client named it
-    (v.GENERATE, {"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"min_p": 2}}, "sampling_params.min_p"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"repetition_penalty": 5}}, "sampling_params.repetition_penalty"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 5}}, "sampling_params.min_new_tokens"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"logit_bias": {"x": 1}}}, "sampling_params.logit_bias"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"stop": ["a"] * 40}}, "sampling_params.stop"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids"),
-    (v.GENERATE, {"text": "hi", "sampling_params": [{"top_p": 0.5}, {"top_p": 7}], "input_ids": None} | {"text": ["a", "b"]},
-     "sampling_params[1].top_p"),
-    (v.COMPLETIONS, {"prompt": "hi", "temperature": -1}, "temperature"),
-    (v.COMPLETIONS, {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
-    (v.COMPLETIONS, {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
-    (v.CHAT, {"messages": MSG, "max_completion_tokens": -5}, "max_completion_tokens"),
-    (v.CHAT, {"messages": MSG, "max_tokens": -1}, "max_tokens"),
-    (v.CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
-    (v.CHAT, {"messages": MSG, "stop_token_ids": [VOCAB]}, "stop_token_ids"),
-    # bounds SGLang lacks
-    (v.GENERATE, {"text": "hi", "sampling_params": {"n": 0}}, "sampling_params.n"),
-    (v.GENERATE, {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num"),
-    (v.GENERATE, {"text": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
-    (v.GENERATE, {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]}, "sampling_params"),
-    (v.GENERATE, {"text": "hi", "input_ids": [1]}, "input_ids"),
-    (v.COMPLETIONS, {"prompt": "hi", "n": 0}, "n"),
-    (v.COMPLETIONS, {"prompt": "hi", "n": 1000}, "n"),
-    (v.COMPLETIONS, {"prompt": "hi", "logprobs": 1000}, "logprobs"),
-    (v.COMPLETIONS, {"prompt": "hi", "logprobs": -1}, "logprobs"),
-    (v.COMPLETIONS, {"prompt": "hi", "best_of": 0}, "best_of"),
-    (v.CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 1000}, "top_logprobs"),
-    (v.CHAT, {"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
-    # schema (SGLang's pydantic models and /generate contract), the param without pydantic's union tags
-    (v.CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "bogus"}]}]}, "messages[0].content[0].type"),
-    (v.CHAT, {"messages": "hi"}, "messages"),
-    (v.CHAT, {"model": "m"}, "messages"),
-    (v.CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
-    (v.COMPLETIONS, {"prompt": "hi", "seed": 2**70}, "seed"),
-    (v.GENERATE, {"text": 5}, "text"),
-    (v.GENERATE, {"input_ids": [[[1]]]}, "input_ids"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
-    (v.GENERATE, {"text": "hi", "stream": "yes"}, "stream"),
-    # prompts: present, not empty, ids in the vocabulary, named as the endpoint names them
-    (v.GENERATE, {"sampling_params": {"max_new_tokens": 1}}, "text"),
-    (v.GENERATE, {"input_ids": []}, "input_ids"),
-    (v.GENERATE, {"input_ids": [5, -1]}, "input_ids"),
-    (v.GENERATE, {"input_ids": [[5], [VOCAB]]}, "input_ids"),
-    (v.COMPLETIONS, {"prompt": ""}, "prompt"),
-    (v.COMPLETIONS, {"prompt": [5, 10**9]}, "prompt"),
-    (v.CHAT, {"messages": []}, "messages"),
-    # other modalities on a text-only model
-    (v.GENERATE, {"text": "hi", "image_data": "http://x/y.png"}, "image_data"),
-    (v.GENERATE, {"text": "hi", "audio_data": "http://x/y.wav"}, "audio_data"),
-    (v.GENERATE, {"text": "hi", "video_data": "http://x/y.mp4"}, "video_data"),
-    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0].type"),
-    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                         {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}]}]},
-     "messages[0].content[1].type"),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,param",
+    [
+        # SGLang's SamplingParams.verify, attributed to the field as the client named it
+        (v.GENERATE, {"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"min_p": 2}}, "sampling_params.min_p"),
+        (
+            v.GENERATE,
+            {"text": "hi", "sampling_params": {"repetition_penalty": 5}},
+            "sampling_params.repetition_penalty",
+        ),
+        (
+            v.GENERATE,
+            {"text": "hi", "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 5}},
+            "sampling_params.min_new_tokens",
+        ),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"logit_bias": {"x": 1}}}, "sampling_params.logit_bias"),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"stop": ["a"] * 40}}, "sampling_params.stop"),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids"),
+        (
+            v.GENERATE,
+            {"text": "hi", "sampling_params": [{"top_p": 0.5}, {"top_p": 7}], "input_ids": None} | {"text": ["a", "b"]},
+            "sampling_params[1].top_p",
+        ),
+        (v.COMPLETIONS, {"prompt": "hi", "temperature": -1}, "temperature"),
+        (v.COMPLETIONS, {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
+        (v.COMPLETIONS, {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+        (v.CHAT, {"messages": MSG, "max_completion_tokens": -5}, "max_completion_tokens"),
+        (v.CHAT, {"messages": MSG, "max_tokens": -1}, "max_tokens"),
+        (v.CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
+        (v.CHAT, {"messages": MSG, "stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        # bounds SGLang lacks
+        (v.GENERATE, {"text": "hi", "sampling_params": {"n": 0}}, "sampling_params.n"),
+        (v.GENERATE, {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num"),
+        (v.GENERATE, {"text": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
+        (v.GENERATE, {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]}, "sampling_params"),
+        (v.GENERATE, {"text": "hi", "input_ids": [1]}, "input_ids"),
+        (v.COMPLETIONS, {"prompt": "hi", "n": 0}, "n"),
+        (v.COMPLETIONS, {"prompt": "hi", "n": 1000}, "n"),
+        (v.COMPLETIONS, {"prompt": "hi", "logprobs": 1000}, "logprobs"),
+        (v.COMPLETIONS, {"prompt": "hi", "logprobs": -1}, "logprobs"),
+        (v.COMPLETIONS, {"prompt": "hi", "best_of": 0}, "best_of"),
+        (v.CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 1000}, "top_logprobs"),
+        (v.CHAT, {"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
+        # schema (SGLang's pydantic models and /generate contract), the param without pydantic's union tags
+        (v.CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "bogus"}]}]}, "messages[0].content[0].type"),
+        (v.CHAT, {"messages": "hi"}, "messages"),
+        (v.CHAT, {"model": "m"}, "messages"),
+        (v.CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
+        (v.COMPLETIONS, {"prompt": "hi", "seed": 2**70}, "seed"),
+        (v.GENERATE, {"text": 5}, "text"),
+        (v.GENERATE, {"input_ids": [[[1]]]}, "input_ids"),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        (v.GENERATE, {"text": "hi", "stream": "yes"}, "stream"),
+        # prompts: present, not empty, ids in the vocabulary, named as the endpoint names them
+        (v.GENERATE, {"sampling_params": {"max_new_tokens": 1}}, "text"),
+        (v.GENERATE, {"input_ids": []}, "input_ids"),
+        (v.GENERATE, {"input_ids": [5, -1]}, "input_ids"),
+        (v.GENERATE, {"input_ids": [[5], [VOCAB]]}, "input_ids"),
+        (v.COMPLETIONS, {"prompt": ""}, "prompt"),
+        (v.COMPLETIONS, {"prompt": [5, 10**9]}, "prompt"),
+        (v.CHAT, {"messages": []}, "messages"),
+        # other modalities on a text-only model
+        (v.GENERATE, {"text": "hi", "image_data": "http://x/y.png"}, "image_data"),
+        (v.GENERATE, {"text": "hi", "audio_data": "http://x/y.wav"}, "audio_data"),
+        (v.GENERATE, {"text": "hi", "video_data": "http://x/y.mp4"}, "video_data"),
+        (
+            v.CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            v.CHAT,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a"},
+                            {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}},
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[1].type",
+        ),
+    ],
+)
 def test_invalid_requests_name_the_field(endpoint, body, param):
     e = rejected(endpoint, body)
     assert e.param == param, e.message
@@ -115,17 +176,20 @@ def test_media_accepted_by_a_multimodal_model():
     check(v.GENERATE, {"text": "hi", "image_data": "http://x/y.png"}, text_only=False)
 
 
-@pytest.mark.parametrize("raw,ctype,needle", [
-    (b"{not json", "application/json", "not valid JSON"),
-    (b'{"text": "\xff"}', "application/json", "not valid UTF-8"),
-    ('{"text": "hi"}'.encode("utf-16"), "application/json", "not valid UTF-8"),
-    (b'{"text": "\\ud800"}', "application/json", "not valid JSON"),
-    (b'{"text": "hi", "x": NaN}', "application/json", "not valid JSON"),
-    (b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json", "not valid JSON"),
-    (b"[1, 2]", "application/json", "must be a JSON object"),
-    (b"", None, "not valid JSON"),
-    (b'{"text": "hi"}', "text/plain", "Content-Type"),
-])
+@pytest.mark.parametrize(
+    "raw,ctype,needle",
+    [
+        (b"{not json", "application/json", "not valid JSON"),
+        (b'{"text": "\xff"}', "application/json", "not valid UTF-8"),
+        ('{"text": "hi"}'.encode("utf-16"), "application/json", "not valid UTF-8"),
+        (b'{"text": "\\ud800"}', "application/json", "not valid JSON"),
+        (b'{"text": "hi", "x": NaN}', "application/json", "not valid JSON"),
+        (b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json", "not valid JSON"),
+        (b"[1, 2]", "application/json", "must be a JSON object"),
+        (b"", None, "not valid JSON"),
+        (b'{"text": "hi"}', "text/plain", "Content-Type"),
+    ],
+)
 def test_bodies_that_are_not_a_json_object_are_400(raw, ctype, needle):
     with pytest.raises(ClientError) as e:
         v.parse_body(raw, ctype)
@@ -137,15 +201,22 @@ def test_json_body_with_charset_parses():
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(sorted(v.OPENAI_SAMPLING)),
-                       st.one_of(st.none(), st.integers(-10**6, 10**6), st.floats(allow_nan=False, width=32),
-                                 st.text(max_size=3)), max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(sorted(v.OPENAI_SAMPLING)),
+        st.one_of(st.none(), st.integers(-(10**6), 10**6), st.floats(allow_nan=False, width=32), st.text(max_size=3)),
+        max_size=4,
+    )
+)
 def test_chat_sampling_never_raises_anything_but_a_client_error(fields):
     body = {"messages": MSG, **fields}
     try:
         check(v.CHAT, body)
     except ClientError as e:
-        assert e.status == 400 and (e.param is None or e.param in fields or e.param.split(".")[0] in fields), (e.param, fields)
+        assert e.status == 400 and (e.param is None or e.param in fields or e.param.split(".")[0] in fields), (
+            e.param,
+            fields,
+        )
         json.dumps(e.body())
 
 
@@ -163,29 +234,38 @@ def test_tokenized_checks_name_the_endpoint_field():
     v.check_tokenized(None, None, VOCAB, None)
 
 
-@pytest.mark.parametrize("loc,param", [
-    (("body", "messages", 0, "function-after[f(), ChatCompletionMessageGenericParam]", "role"), "messages[0].role"),
-    (("text", "list[str]"), "text"),
-    (("sampling_params", "list[dict[str,any]]", 0), "sampling_params[0]"),
-    ((), None),
-])
+@pytest.mark.parametrize(
+    "loc,param",
+    [
+        (("body", "messages", 0, "function-after[f(), ChatCompletionMessageGenericParam]", "role"), "messages[0].role"),
+        (("text", "list[str]"), "text"),
+        (("sampling_params", "list[dict[str,any]]", 0), "sampling_params[0]"),
+        ((), None),
+    ],
+)
 def test_pydantic_locations_become_openai_params(loc, param):
     assert v.param_of(loc) == param
 
 
-@pytest.mark.parametrize("endpoint,body,param", [
-    (v.CHAT, {"messages": MSG, "temperature": 2.5}, "temperature"),
-    (v.COMPLETIONS, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,param",
+    [
+        (v.CHAT, {"messages": MSG, "temperature": 2.5}, "temperature"),
+        (v.COMPLETIONS, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
 def test_openai_bounds_the_router_enforces_are_enforced_everywhere(endpoint, body, param):
     assert rejected(endpoint, body).param == param
 
 
-@pytest.mark.parametrize("endpoint,body,param", [
-    (v.CHAT, {"messages": MSG, "n": 2}, "n"),
-    (v.GENERATE, {"text": "hi", "sampling_params": {"n": 2}}, "sampling_params.n"),
-    (v.COMPLETIONS, {"prompt": "hi", "best_of": 2}, "best_of"),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,param",
+    [
+        (v.CHAT, {"messages": MSG, "n": 2}, "n"),
+        (v.GENERATE, {"text": "hi", "sampling_params": {"n": 2}}, "sampling_params.n"),
+        (v.COMPLETIONS, {"prompt": "hi", "best_of": 2}, "best_of"),
+    ],
+)
 def test_pd_takes_one_sample_per_request(endpoint, body, param):
     check(endpoint, body)  # fine on a single server
     with pytest.raises(ClientError) as e:
@@ -199,27 +279,40 @@ OK_MSG = {"role": "user", "content": "x"}
 N = v.MAX_ITEMS - 64  # elements after the sample, within the list bound
 
 
-@pytest.mark.parametrize("endpoint,body,param", [
-    # each would otherwise cost seconds of the event loop in pydantic's error reporting
-    (v.CHAT, {"messages": [7] * N}, "messages[0]"),
-    (v.CHAT, {"messages": [OK_MSG] * 64 + [{"role": "user", "content": 5}] * N}, "messages[64].content"),
-    (v.CHAT, {"messages": [OK_MSG] * 64 + [{"content": "x"}] * N}, "messages[64].role"),
-    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 64 + [{"type": "text"}] * N}]},
-     None),
-    (v.COMPLETIONS, {"prompt": [1] * 64 + [1.5] * N}, "prompt[64]"),
-    (v.GENERATE, {"text": ["a"] * 64 + [7] * N}, "text[64]"),
-    # values whose validity is not their type's get past the sample: the list bound caps them
-    (v.CHAT, {"messages": [OK_MSG], "stop_token_ids": ["1"] * 64 + ["a"] * N}, "stop_token_ids[64]"),
-    # and past the bound, the length is the error, found before any element is looked at
-    (v.CHAT, {"messages": [OK_MSG], "stop_token_ids": ["1"] * 64 + ["a"] * 1_600_000}, "stop_token_ids"),  # was 11 s
-    (v.CHAT, {"messages": [OK_MSG] * 250_000}, "messages"),
-    (v.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 300_000}]},
-     "messages[0].content"),
-    (v.COMPLETIONS, {"prompt": ["a"] * 1_600_000}, "prompt"),  # was valid: a 1.6-million-prompt batch
-    (v.GENERATE, {"text": ["a"] * 64 + [7] * 200_000}, "text"),
-    (v.CHAT, {"messages": [OK_MSG], "logit_bias": {str(i): 1 for i in range(500_000)}}, "logit_bias"),
-    (v.CHAT, {"messages": [OK_MSG], **{f"x{i}": 1 for i in range(v.MAX_ITEMS)}}, None),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,param",
+    [
+        # each would otherwise cost seconds of the event loop in pydantic's error reporting
+        (v.CHAT, {"messages": [7] * N}, "messages[0]"),
+        (v.CHAT, {"messages": [OK_MSG] * 64 + [{"role": "user", "content": 5}] * N}, "messages[64].content"),
+        (v.CHAT, {"messages": [OK_MSG] * 64 + [{"content": "x"}] * N}, "messages[64].role"),
+        (
+            v.CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 64 + [{"type": "text"}] * N}]},
+            None,
+        ),
+        (v.COMPLETIONS, {"prompt": [1] * 64 + [1.5] * N}, "prompt[64]"),
+        (v.GENERATE, {"text": ["a"] * 64 + [7] * N}, "text[64]"),
+        # values whose validity is not their type's get past the sample: the list bound caps them
+        (v.CHAT, {"messages": [OK_MSG], "stop_token_ids": ["1"] * 64 + ["a"] * N}, "stop_token_ids[64]"),
+        # and past the bound, the length is the error, found before any element is looked at
+        (
+            v.CHAT,
+            {"messages": [OK_MSG], "stop_token_ids": ["1"] * 64 + ["a"] * 1_600_000},
+            "stop_token_ids",
+        ),  # was 11 s
+        (v.CHAT, {"messages": [OK_MSG] * 250_000}, "messages"),
+        (
+            v.CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 300_000}]},
+            "messages[0].content",
+        ),
+        (v.COMPLETIONS, {"prompt": ["a"] * 1_600_000}, "prompt"),  # was valid: a 1.6-million-prompt batch
+        (v.GENERATE, {"text": ["a"] * 64 + [7] * 200_000}, "text"),
+        (v.CHAT, {"messages": [OK_MSG], "logit_bias": {str(i): 1 for i in range(500_000)}}, "logit_bias"),
+        (v.CHAT, {"messages": [OK_MSG], **{f"x{i}": 1 for i in range(v.MAX_ITEMS)}}, None),
+    ],
+)
 def test_huge_malformed_lists_are_rejected_within_the_rejection_bound(endpoint, body, param):
     import time
 
@@ -257,8 +350,10 @@ def test_deep_nesting_within_json_limits_is_400_not_a_recursion_error(depth):
 
 
 def test_free_form_json_and_mixed_numbers_are_not_held_to_one_kind():
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"enum": [1, "a", None, 2.5]}}}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"enum": [1, "a", None, 2.5]}}}},
+    }
     check(v.CHAT, {"messages": MSG, "tools": [tool]})
     check(v.CHAT, {"messages": MSG, "logit_bias": {"3": 1, "4": 0.5}, "stop": ["a"]})
     assert rejected(v.CHAT, {"messages": MSG, "stop": ["a", 1]}).param == "stop[1]"

@@ -89,7 +89,7 @@ def _poison(batch, rows, lens, where):
         if _POISON is not None and _POISON in str(req.rid):
             slot = _foreign_slot(allocator, kv_owner.owner_of(req))
             slot = allocator.size if slot is None else slot  # the last slot: someone's or free
-            r2t[int(rows[i]), int(lens[i]):] = slot
+            r2t[int(rows[i]), int(lens[i]) :] = slot
             _log(fault="poison_tail", rid=req.rid, where=where, start=int(lens[i]), slot=slot)
 
 
@@ -130,14 +130,19 @@ if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LOG or _POISON:
     if _FOREIGN:
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _inject_foreign, HookType.AFTER)
     if _FOREIGN_DECODE:
-        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _inject_foreign_decode,
-                              HookType.AFTER)
+        HookRegistry.register(
+            "sglang.srt.mem_cache.allocation.alloc_for_decode", _inject_foreign_decode, HookType.AFTER
+        )
     if _POISON:
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _poison_extend, HookType.AFTER)
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _poison_decode, HookType.AFTER)
     if _SHORT:
-        HookRegistry.register("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
-                              _short_handoff, HookType.BEFORE)
+        HookRegistry.register(
+            "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+            _short_handoff,
+            HookType.BEFORE,
+        )
     if _LOG:
-        HookRegistry.register("sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata",
-                              _probe_publish, HookType.BEFORE)
+        HookRegistry.register(
+            "sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata", _probe_publish, HookType.BEFORE
+        )
