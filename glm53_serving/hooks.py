@@ -57,7 +57,7 @@ class Hook:
         return pkgutil.resolve_name(self.impl)
 
 
-KV_PARTS = ("zero", "owner", "handoff")  # kv_guard.py, kv_owner.py, kv_handoff.py
+KV_PARTS = ("zero", "owner", "handoff")  # kv_zero.py, kv_owner.py, kv_handoff.py; kv_guard.py joins them
 
 HOOKS: tuple[Hook, ...] = (
     # --- start-up handshake: fail closed (glm53_serving/startup.py) -------------------------
@@ -129,11 +129,11 @@ HOOKS: tuple[Hook, ...] = (
         ("self", "rid", "abort_all"),
         "a tenant aborts only its own requests; abort_all is the operator's",
     ),
-    # --- KV hygiene: zero before reuse (kv_guard.py) ----------------------------------------
+    # --- KV hygiene: zero before reuse (kv_zero.py) ----------------------------------------
     Hook(
         "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc",
         Kind.AFTER,
-        "glm53_serving.kv_guard:zero_after_alloc",
+        "glm53_serving.kv_zero:zero_after_alloc",
         ("self", "need_size"),
         "page size 1: every slot handed out reads zeros until its request writes it",
         part="zero",
@@ -141,7 +141,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc",
         Kind.AFTER,
-        "glm53_serving.kv_guard:zero_after_alloc",
+        "glm53_serving.kv_zero:zero_after_alloc",
         ("self", "need_size"),
         "paged pools: plain allocations (decode pre-allocation, chunked prefill) read zeros",
         part="zero",
@@ -149,7 +149,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend",
         Kind.AFTER,
-        "glm53_serving.kv_guard:zero_after_alloc",
+        "glm53_serving.kv_zero:zero_after_alloc",
         ("self", "prefix_lens", "prefix_lens_cpu", "seq_lens"),
         "paged pools: prefill extension slots read zeros",
         part="zero",
@@ -157,7 +157,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode",
         Kind.AFTER,
-        "glm53_serving.kv_guard:zero_after_alloc",
+        "glm53_serving.kv_zero:zero_after_alloc",
         ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
         "paged pools: each decode step's new slot reads zeros",
         part="zero",
@@ -165,7 +165,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc",
         Kind.AFTER,
-        "glm53_serving.kv_guard:publish_after_zeroing",
+        "glm53_serving.kv_guard:publish_prealloc",
         ("self", "req"),
         "PD decode: the destination is tagged with the request's owner (if that part is on) and "
         "the zero fills complete before its page indices go to prefill",

@@ -24,7 +24,7 @@ import logging
 from http import HTTPStatus
 
 from glm53_serving.errors import KV_HANDOFF_MESSAGE
-from glm53_serving.kv_owner import VIOLATIONS
+from glm53_serving.metrics import KV_VIOLATIONS
 
 logger = logging.getLogger("glm53_serving")
 
@@ -64,7 +64,7 @@ def check_prompt_length(result, self, decode_req, *args, **kwargs):
             carried,
             expected,
         )
-        VIOLATIONS.inc(where="handoff")
+        KV_VIOLATIONS.inc(where="handoff")
         prepare_abort(
             req,
             f"{KV_HANDOFF_MESSAGE} prefill sent KV for {carried} prompt tokens, decode expected "

@@ -10,7 +10,7 @@ slots it may read (see `quarantine`), so that the forward it still rides reads n
 and it is never inserted into the prefix cache.
 
 Attack/incident closed: the decoder attended over KV that other tenants' requests had left (a
-stale or foreign index in a request's row). Zeroing (kv_guard.py) makes *free* pages harmless;
+stale or foreign index in a request's row). Zeroing (kv_zero.py) makes *free* pages harmless;
 this makes a *live* page of another namespace unreadable, whatever put its index in the row.
 
 Owner id: the request's cache namespace, `(req.cache_salt, req.extra_key)`, hashed to a stable
@@ -39,8 +39,9 @@ from http import HTTPStatus
 
 import torch
 
+from glm53_serving import kv_zero
 from glm53_serving.errors import KV_ISOLATION_MESSAGE
-from glm53_serving.metrics import LazyCounter
+from glm53_serving.metrics import KV_VIOLATIONS, LazyCounter
 
 logger = logging.getLogger("glm53_serving")
 
@@ -49,9 +50,7 @@ FREE = 0
 VIOLATION_CODE = "kv_isolation_violation"  # FINISH_ABORT.err_type; http_guard maps it to the contract
 
 CHECKED = LazyCounter("glm53_kv_owner_checked_requests", "Request rows owner-checked before a forward pass")
-VIOLATIONS = LazyCounter(
-    "glm53_kv_isolation_violations", "Requests aborted: their KV row held pages of another owner", ("where",)
-)
+VIOLATIONS = KV_VIOLATIONS
 QUARANTINED = LazyCounter("glm53_kv_quarantined_slots", "Row positions redirected after an isolation violation")
 
 _TAGS = "_glm53_owner_tags"
@@ -338,8 +337,6 @@ def _tell_decode(req, message: str) -> None:
 def _redirect_to_fresh(batch, req, row: int, logical_pages: list[int], ns: int) -> None:
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
-    from glm53_serving import kv_guard  # imports this module
-
     allocator = _allocator(batch)
     p = allocator.page_size
     need = len(logical_pages) * p
@@ -350,7 +347,7 @@ def _redirect_to_fresh(batch, req, row: int, logical_pages: list[int], ns: int) 
             f"glm53_serving: no KV pages left to quarantine request {req.rid}; refusing to "
             "run a forward that would read another owner's KV"
         )
-    kv_guard.zero_slots(allocator.get_kvcache(), fresh)  # zero even with the "zero" part off
+    kv_zero.zero_slots(allocator.get_kvcache(), fresh)  # zero even with the "zero" part off
     claim(allocator, fresh, torch.full((need,), ns, dtype=torch.int64, device=fresh.device))
     r2t = batch.req_to_token_pool.req_to_token
     for k, lp in enumerate(logical_pages):

@@ -29,3 +29,11 @@ class LazyCounter:
             (self._counter.labels(**labels) if self.labels else self._counter).inc(amount)
         except Exception:  # noqa: BLE001 - a metric must never turn a 4xx into a 500 or break allocation
             logger.exception("glm53_serving: counting %s failed", self.name)
+
+
+# Shared by the KV guard's parts (kv_owner.py, kv_handoff.py): one series per place it was caught.
+KV_VIOLATIONS = LazyCounter(
+    "glm53_kv_isolation_violations",
+    "Requests aborted: their KV row held pages of another owner, or their PD handoff did not cover their prompt",
+    ("where",),
+)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from glm53_serving import admission, env, http_guard, intake, kv_guard, kv_owner, plugin, tenant_guard
+from glm53_serving import admission, env, http_guard, intake, kv_guard, plugin, tenant_guard
 from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
@@ -94,10 +94,7 @@ def scheduler_verified_info(result: dict, self) -> dict:
         except (TypeError, ValueError) as e:
             deployment, problems = None, [*problems, f"{env.DEPLOYMENT_LIMITS.name} is malformed: {e}"]
         problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
-        if plugin.kv_part_on("zero") or plugin.kv_part_on("owner"):
-            problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
-        if plugin.kv_part_on("owner"):
-            problems += kv_owner.allocator_problems(self.token_to_kv_pool_allocator)
+        problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
     if problems:
         raise _refuse("scheduler", problems)
     result[STATUS_KEY] = {**plugin.status(), "capacity": dataclasses.asdict(cap)}

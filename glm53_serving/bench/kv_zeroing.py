@@ -2,7 +2,7 @@
 
     python -m glm53_serving.bench.kv_zeroing [--layers 16] [--slots 65536] [--alloc 4096]
 
-Prints (1) zeroing bandwidth of kv_guard's batched fill vs. torch.zero_ on a contiguous buffer of
+Prints (1) zeroing bandwidth of kv_zero's batched fill vs. torch.zero_ on a contiguous buffer of
 the same byte size (the memset limit), (2) allocator operations per second upstream, with
 zeroing, and with zeroing + owner tags (claim on alloc, reset on free), for a prefill-sized
 allocation and a decode step (1 slot), and (3) the owner check's cost per batch build (one
@@ -20,7 +20,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import torch  # noqa: E402
 
-from glm53_serving import kv_guard, kv_owner  # noqa: E402
+from glm53_serving import kv_owner, kv_zero  # noqa: E402
 
 
 def best_of(fn, repeat: int, inner: int) -> float:
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
 
     pool = MHATokenToKVPool(a.slots, 1, dtype, a.heads, a.head_dim, a.layers, "cpu", False)
     alloc = TokenToKVPoolAllocator(a.slots, dtype, "cpu", pool, False)
-    bufs = kv_guard.layer_buffers(pool)
+    bufs = kv_zero.layer_buffers(pool)
     slot_bytes = sum(b[0].numel() * b.element_size() for b in bufs)
     print(
         f"pool: {a.layers} layers x K,V x {a.heads} heads x {a.head_dim} ({a.dtype}), {a.slots} slots, "
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     }
     print(f"torch.zero_ on {nbytes / 2**20:.1f} MiB: {nbytes / t_memset / 1e9:.2f} GB/s (the memset limit)")
     for label, idx in cases.items():
-        t_zero = best_of(lambda: kv_guard.zero_slots(pool, idx), 5, 5)
+        t_zero = best_of(lambda: kv_zero.zero_slots(pool, idx), 5, 5)
         print(
             f"zeroing {a.alloc} slots, {label}: {nbytes / t_zero / 1e9:.2f} GB/s -> {t_memset / t_zero:.2f}x of memset"
         )
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
         def run():
             got = alloc.alloc(n)
             if zero:
-                kv_guard.zero_after_alloc(got, alloc, n)
+                kv_zero.zero_after_alloc(got, alloc, n)
             if tags:
                 kv_owner.claim(alloc, got, owners)
             alloc.free(got)

@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
-from glm53_serving import kv_guard, kv_owner
+from glm53_serving import kv_owner, kv_zero
 
 SIZE, LAYERS, ROWS, MAXLEN = 64, 2, 12, 48
 OWNERS = [
@@ -43,7 +43,7 @@ def make(page_size, mla=False):
 
 def guarded(alloc, result):
     """What the AFTER hooks do to an allocation: zero it (kv_guard)."""
-    return kv_guard.zero_after_alloc(result, alloc)
+    return kv_zero.zero_after_alloc(result, alloc)
 
 
 def free(alloc, slots):
@@ -91,11 +91,11 @@ class OwnerTags(RuleBasedStateMachine):
         kv_owner.claim(self.alloc, slots, torch.full((slots.numel(),), owner, dtype=torch.int64))
 
     def _fresh_reads_zero(self, slots):
-        for buf in kv_guard.layer_buffers(self.pool):
+        for buf in kv_zero.layer_buffers(self.pool):
             assert torch.count_nonzero(buf[slots]) == 0, "a page given to a new owner holds a previous owner's KV"
 
     def _write(self, slots, owner):
-        for buf in kv_guard.layer_buffers(self.pool):
+        for buf in kv_zero.layer_buffers(self.pool):
             buf[slots] = float(owner % 1000 + 1)
 
     # -- rules --------------------------------------------------------------------------------

@@ -115,11 +115,11 @@ def _short_handoff(self, decode_req, *args, **kwargs):
 def _probe_publish(self, decode_req, kv_indices, page_size, *args, **kwargs):
     import torch
 
-    from glm53_serving import kv_guard
+    from glm53_serving import kv_zero
 
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     slots = torch.as_tensor(kv_indices, dtype=torch.int64)
-    zero = all(int(torch.count_nonzero(b[slots])) == 0 for b in kv_guard.layer_buffers(pool))
+    zero = all(int(torch.count_nonzero(b[slots])) == 0 for b in kv_zero.layer_buffers(pool))
     _log(event="publish", rid=decode_req.req.rid, slots=int(slots.numel()), all_zero=zero)
     return None
 

@@ -1,7 +1,7 @@
 """Zero before reuse, on the real SGLang allocators and pools (CPU), by stateful property test.
 
 The hook function is exactly what HookRegistry wraps around the allocation methods in a server
-(tests/e2e/test_kv_guard.py proves the wiring); here it wraps them by hand so that random
+(tests/e2e/test_kv_zero.py proves the wiring); here it wraps them by hand so that random
 alloc/write/free sequences can run thousands of times."""
 
 import pytest
@@ -13,7 +13,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool
 
-from glm53_serving import kv_guard
+from glm53_serving import kv_zero
 
 SIZE, LAYERS = 64, 3
 DSA_PAGE = 64  # the only page size DSA takes
@@ -44,7 +44,7 @@ def make(page_size, dsa=False):
 def slot_views(pool, slots) -> list[tuple[torch.Tensor, tuple]]:
     """(tensor, index) pairs addressing everything `slots` own in `pool`: each layer buffer's rows
     and, for DSA, each indexer layer's key and scale bytes (IndexKeyCache's page layout)."""
-    views = [(buf, (slots,)) for buf in kv_guard.layer_buffers(pool)]
+    views = [(buf, (slots,)) for buf in kv_zero.layer_buffers(pool)]
     if isinstance(pool, DSATokenToKVPool):
         p, key_bytes = pool.page_size, pool.page_size * pool.index_head_dim
         for buf in pool.index_key_cache.buffer:
@@ -70,7 +70,7 @@ class ZeroBeforeReuse(RuleBasedStateMachine):
     def allocate_and_write(self, n):
         n = (n % 3 + 1) * self.page_size if self.dsa else n  # DSA: 1-3 of its 4 pages of 64 slots
         need = -(-n // self.page_size) * self.page_size
-        slots = kv_guard.zero_after_alloc(self.alloc.alloc(need), self.alloc, need)
+        slots = kv_zero.zero_after_alloc(self.alloc.alloc(need), self.alloc, need)
         if slots is None:
             return
         self._check_fresh(slots)
@@ -124,31 +124,31 @@ def test_zeroing_is_batched_per_buffer_never_a_loop_per_slot(monkeypatch):
     for name in ("index_fill_", "zero_"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real: calls.append(_n) or _r(self, *a))
-    kv_guard.zero_slots(pool, torch.arange(1, 9))  # a decode step's few slots: one indexed fill per layer
+    kv_zero.zero_slots(pool, torch.arange(1, 9))  # a decode step's few slots: one indexed fill per layer
     assert calls == ["index_fill_"] * LAYERS  # K and V are halves of one allocation per layer: one fill
     calls.clear()
-    monkeypatch.setattr(kv_guard, "SMALL_ALLOC", 16)
-    kv_guard.zero_slots(pool, torch.arange(1, 41))  # one contiguous run: one slice fill per layer
+    monkeypatch.setattr(kv_zero, "SMALL_ALLOC", 16)
+    kv_zero.zero_slots(pool, torch.arange(1, 41))  # one contiguous run: one slice fill per layer
     assert calls == ["zero_"] * LAYERS
     calls.clear()
-    kv_guard.zero_slots(pool, torch.arange(1, 61, 3))  # 20 runs: one indexed fill per layer
+    kv_zero.zero_slots(pool, torch.arange(1, 61, 3))  # 20 runs: one indexed fill per layer
     assert calls == ["index_fill_"] * LAYERS
-    for buf in kv_guard.layer_buffers(pool):
+    for buf in kv_zero.layer_buffers(pool):
         assert torch.count_nonzero(buf[torch.arange(1, 61, 3)]) == 0
 
 
 def test_unsupported_allocators_and_pools_are_refused():
     pool, alloc = make(1)
-    assert kv_guard.allocator_problems(alloc) == []
+    assert kv_zero.allocator_problems(alloc) == []
 
     class SomeOtherAllocator(TokenToKVPoolAllocator):
         pass
 
     other = SomeOtherAllocator(SIZE, torch.float32, "cpu", pool, False)
-    (msg,) = kv_guard.allocator_problems(other)
+    (msg,) = kv_zero.allocator_problems(other)
     assert "SomeOtherAllocator" in msg and "refused" in msg
     with pytest.raises(TypeError):
-        kv_guard.layer_buffers(object())
+        kv_zero.layer_buffers(object())
 
 
 def test_pools_not_indexed_by_token_slot_are_refused(monkeypatch):
@@ -157,18 +157,18 @@ def test_pools_not_indexed_by_token_slot_are_refused(monkeypatch):
     monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
     pool = MHATokenToKVPool(SIZE, 4, torch.float32, 2, 4, LAYERS, "cpu", False)
     assert pool.kv_cache_layout == "hnd"
-    (msg,) = kv_guard.allocator_problems(PagedTokenToKVPoolAllocator(SIZE, 4, torch.float32, "cpu", pool, False))
+    (msg,) = kv_zero.allocator_problems(PagedTokenToKVPoolAllocator(SIZE, 4, torch.float32, "cpu", pool, False))
     assert "'hnd'" in msg and "refused" in msg
 
 
 def test_dsa_zeroing_clears_exactly_the_slots_in_every_buffer_and_indexer_layer():
     pool, alloc = make(DSA_PAGE, dsa=True)
-    assert kv_guard.allocator_problems(alloc) == []
+    assert kv_zero.allocator_problems(alloc) == []
     every = [t for t, _ in slot_views(pool, torch.arange(0))]
     for t in every:
         t.fill_(1)
     slots = torch.tensor([64, 65, 127, 130])  # the ends of one page, and one inside the next
-    kv_guard.zero_slots(pool, slots)
+    kv_zero.zero_slots(pool, slots)
     for t, idx in slot_views(pool, slots):
         assert torch.count_nonzero(t[idx]) == 0
     # ... and nothing else: each buffer lost exactly 4 slots' worth of bytes
@@ -179,5 +179,5 @@ def test_dsa_zeroing_clears_exactly_the_slots_in_every_buffer_and_indexer_layer(
 def test_dsa_indexer_layouts_other_than_the_plain_one_are_refused():
     pool, alloc = make(DSA_PAGE, dsa=True)
     pool.index_kpool = 2  # pooled index keys: rows regroup tokens, slot -> byte offset differs
-    (msg,) = kv_guard.allocator_problems(alloc)
+    (msg,) = kv_zero.allocator_problems(alloc)
     assert "index_kpool 2" in msg and "refused" in msg

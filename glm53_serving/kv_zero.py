@@ -1,0 +1,211 @@
+"""KV guard part "zero": every KV slot the allocator hands out reads as zeros.
+
+Invariant: a KV slot returned by an allocation holds zeros in every layer buffer of the pool
+(K and V; or the MLA latent buffer, and for DSA also the indexer cache's key and scale bytes)
+until the request it was allocated for writes it. In PD,
+decode's pre-allocated destination is zero before its indices are published to prefill.
+
+Attack/incident closed: the decoder attended over KV pages that earlier requests of other
+customers had left behind (a one-token stub forwarded as if prefilled; upstream, still: a fake
+bootstrap host, or prefill and decode truncating to different lengths). Upstream SGLang never
+clears a page on free or allocation, so any such path leaks another tenant's KV; with this guard
+it reads zeros instead.
+
+How: an AFTER hook on each allocation method of the supported allocators zeroes the returned
+slots with one indexed fill per layer buffer (batched per allocation, never a loop per page;
+one per layer where SGLang keeps a layer's K and V as the two halves of one allocation).
+A server whose allocator or pool this module does not know how to zero refuses to start.
+The other parts: kv_owner.py (owner tags, checked before every read), kv_handoff.py (PD length
+check); kv_guard.py joins them where they meet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm53_serving.metrics import LazyCounter
+
+# Exact types only: a subclass may allocate through paths these hooks do not see.
+SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+# Pool layouts whose layer buffers are indexed by token slot on dim 0 (DSA's indexer cache,
+# indexed by page, is zeroed by _zero_indexer).
+SUPPORTED_POOLS = {
+    "MHATokenToKVPool": ("k_buffer", "v_buffer"),
+    "MLATokenToKVPool": ("kv_buffer",),
+    "DSATokenToKVPool": ("kv_buffer",),
+}
+
+ZEROED = LazyCounter("glm53_kv_zeroed_slots", "KV slots zeroed before reuse")
+
+
+def layer_buffers(pool) -> list[torch.Tensor]:
+    names = SUPPORTED_POOLS.get(type(pool).__name__)
+    if names is None:
+        raise TypeError(f"kv_guard cannot zero a {type(pool).__name__}")
+    bufs = []
+    for name in names:
+        b = getattr(pool, name)
+        bufs.extend(b if isinstance(b, (list, tuple)) else [b])
+    assert bufs and all(isinstance(b, torch.Tensor) for b in bufs), type(pool).__name__
+    return bufs
+
+
+def _fill_targets(pool) -> list[tuple[torch.Tensor, int]]:
+    """What zero_slots fills, as (tensor, dim of its token slots): the layer buffers, with
+    an MHA layer's K and V as one target where SGLang stores them as the two halves of one
+    allocation (then one fill zeroes both). Cached per pool while its buffers are the same
+    objects (a pool that re-creates them, e.g. after releasing memory, is looked at again)."""
+    bufs = layer_buffers(pool)
+    cached = pool.__dict__.get("_glm53_fill_targets")
+    if cached is not None and len(cached[0]) == len(bufs) and all(a is b for a, b in zip(cached[0], bufs)):
+        return cached[1]
+    if type(pool).__name__ == "MHATokenToKVPool":  # layer_buffers: k_buffer..., then v_buffer...
+        half = len(bufs) // 2
+        targets = []
+        for k, v in zip(bufs[:half], bufs[half:]):
+            if _halves_of_one(k, v):
+                targets.append((_as_words(k._base, lead=1), 1))  # (2, rows, words)
+            else:
+                targets += [(_as_words(k), 0), (_as_words(v), 0)]
+    else:
+        targets = [(_as_words(buf), 0) for buf in bufs]
+    pool._glm53_fill_targets = (bufs, targets)
+    return targets
+
+
+def _halves_of_one(k: torch.Tensor, v: torch.Tensor) -> bool:
+    base = k._base
+    return (
+        base is not None
+        and v._base is base
+        and base.is_contiguous()
+        and base.dim() == k.dim() + 1
+        and base.shape[0] == 2
+        and base.shape[2:] == k.shape[1:]
+        and base.shape[1] >= k.shape[0]
+        and k.data_ptr() == base[0].data_ptr()
+        and v.data_ptr() == base[1].data_ptr()
+    )
+
+
+MAX_RUNS_AS_SLICES = 4  # an allocation in at most this many contiguous runs is zeroed slice by slice
+SMALL_ALLOC = 64  # slots; at most this many are always zeroed by one indexed fill per buffer
+
+
+def zero_slots(pool, slots: torch.Tensor) -> None:
+    """Zero `slots` (token slot ids) in every layer buffer of `pool`: per buffer, one indexed
+    fill, or a few slice fills when the slots form a few contiguous runs (the common case: the
+    allocator hands out ranges of its free list). Zero bytes are zero in every KV dtype, so
+    rows are filled as 8-byte words where they can be."""
+    if slots.numel() == 0:
+        return
+    # Finding runs costs a sort and a host copy: worth it for prefill-sized allocations only (and
+    # never on a GPU, where it would sync); a decode step's few slots take the indexed fill.
+    runs = _runs(slots) if slots.device.type == "cpu" and slots.numel() > SMALL_ALLOC else None
+    for rows, dim in _fill_targets(pool):
+        if runs is not None and len(runs) <= MAX_RUNS_AS_SLICES:
+            for start, stop in runs:
+                rows.narrow(dim, start, stop - start).zero_()
+        else:
+            rows.index_fill_(dim, slots, 0)
+    if type(pool).__name__ == "DSATokenToKVPool":
+        _zero_indexer(pool, slots)
+    ZEROED.inc(int(slots.numel()))
+
+
+def _zero_indexer(pool, slots: torch.Tensor) -> None:
+    """DSA's indexer cache: per layer, one row per page holding the page's fp8 keys (index_head_dim
+    bytes per slot) and then its scales (4 bytes per quant block per slot), IndexKeyCache.move's
+    layout; index_problems() refuses the variants laid out otherwise."""
+    p = pool.page_size
+    page, off = slots // p, slots % p
+    key_bytes = p * pool.index_head_dim
+    for buf in pool.index_key_cache.buffer:
+        if buf.shape[0] == 0:  # a layer that reuses the previous layer's top-k has no index keys
+            continue
+        buf[:, :key_bytes].view(buf.shape[0], p, -1)[page, off] = 0
+        buf[:, key_bytes:].view(buf.shape[0], p, -1)[page, off] = 0
+
+
+def _runs(slots: torch.Tensor) -> list[tuple[int, int]]:
+    s = slots.sort().values
+    cuts = torch.nonzero(s[1:] != s[:-1] + 1).flatten() + 1
+    if cuts.numel() >= MAX_RUNS_AS_SLICES:
+        return [None] * (MAX_RUNS_AS_SLICES + 1)  # too fragmented: use the indexed fill
+    bounds = [0, *cuts.tolist(), s.numel()]
+    return [(int(s[a]), int(s[b - 1]) + 1) for a, b in zip(bounds, bounds[1:])]
+
+
+def _as_words(buf: torch.Tensor, lead: int = 0) -> torch.Tensor:
+    """`buf` with its rows (dim `lead`) as int64 words when they allow it (same bytes, wider
+    stores); else `buf` itself."""
+    if not buf.is_contiguous():
+        return buf
+    rows = buf.view(*buf.shape[: lead + 1], -1)
+    if (rows.shape[-1] * rows.element_size()) % 8 == 0:
+        return rows.view(torch.int64)
+    return rows
+
+
+def zero_after_alloc(result, self, *args, **kwargs):
+    """AFTER TokenToKVPoolAllocator.alloc and PagedTokenToKVPoolAllocator.alloc/alloc_extend/alloc_decode."""
+    if result is not None:
+        zero_slots(self.get_kvcache(), result)
+    return result
+
+
+def allocator_problems(allocator) -> list[str]:
+    """Why this scheduler's allocator cannot be guarded (empty: it can)."""
+    name = type(allocator).__name__
+    if name not in SUPPORTED_ALLOCATORS:
+        return [
+            f"kv_guard does not support the {name} allocator (supported: {', '.join(SUPPORTED_ALLOCATORS)}); "
+            "serving without zero-before-reuse is refused"
+        ]
+    pool = allocator.get_kvcache()
+    if type(pool).__name__ not in SUPPORTED_POOLS:
+        return [
+            f"kv_guard cannot zero the {type(pool).__name__} KV pool (supported: {', '.join(SUPPORTED_POOLS)}); "
+            "serving without zero-before-reuse is refused"
+        ]
+    # zero_slots indexes rows by token slot: a layout that leads with pages (SGLANG_USE_HND_KVCACHE,
+    # AITER's vectorized_5d) would zero other rows, and a quantized pool keeps per-slot scales
+    # in buffers this module does not know.
+    slots = pool.size + pool.page_size
+    if getattr(pool, "is_quantized_kv_cache", False):
+        return [
+            f"kv_guard cannot zero a quantized {type(pool).__name__} (scale buffers); "
+            "serving without zero-before-reuse is refused"
+        ]
+    bad = sorted({tuple(b.shape) for b in layer_buffers(pool) if b.shape[0] != slots})
+    if bad:
+        return [
+            f"kv_guard needs KV buffers indexed by token slot ({slots} rows; layout "
+            f"{getattr(pool, 'kv_cache_layout', '?')!r} has shapes {bad}); serving without zero-before-reuse is refused"
+        ]
+    return index_problems(pool) if type(pool).__name__ == "DSATokenToKVPool" else []
+
+
+def index_problems(pool) -> list[str]:
+    """Why _zero_indexer cannot zero this DSA pool's indexer cache (empty: it can)."""
+    from sglang.srt.mem_cache import index_key_cache
+
+    p, refuse = pool.page_size, "; serving without zero-before-reuse is refused"
+    if index_key_cache._use_aiter_preshuffle or pool.index_kpool != 1 or pool.index_page_size != p:
+        return [
+            f"kv_guard zeroes the DSA indexer cache in its plain layout only (index_kpool "
+            f"{pool.index_kpool}, index page {pool.index_page_size} of {p}, AITER preshuffle "
+            f"{index_key_cache._use_aiter_preshuffle})" + refuse
+        ]
+    row = p * (pool.index_head_dim + pool.index_head_dim // pool.quant_block_size * 4)
+    pages = (pool.size + p) // p
+    bad = sorted(
+        {
+            tuple(b.shape)
+            for b in pool.index_key_cache.buffer
+            if b.shape[0] and (b.shape[0] < pages or b.shape[1] != row or not b.is_contiguous())
+        }
+    )
+    if bad:
+        return [f"kv_guard expects DSA indexer rows of {row} bytes for {pages} pages, found {bad}" + refuse]
+    return []
