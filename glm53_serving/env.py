@@ -40,6 +40,13 @@ MAX_BODY_BYTES = Var(
 ASSERTION_KEY_FILE = Var(
     "GLM53_ASSERTION_KEY_FILE", "the key that signs the gateway's tenant assertions (tenants on)", "launcher"
 )
+TENANTS = Var(
+    "GLM53_TENANTS",
+    '"on": every tenant route needs the gateway\'s signed assertion; "off": one trust domain (chosen explicitly '
+    "in the topology; operator routes stay the operator's)",
+    "launcher",
+    "on",
+)
 PREFILL_BOOTSTRAP = Var(
     "GLM53_PREFILL_BOOTSTRAP", '"host:port,...": the only prefill bootstrap endpoints a PD worker accepts', "launcher"
 )
@@ -57,6 +64,7 @@ VARS: tuple[Var, ...] = (
     CLIP_OUTPUT,
     MAX_BODY_BYTES,
     ASSERTION_KEY_FILE,
+    TENANTS,
     PREFILL_BOOTSTRAP,
     SERVING_DISABLE,
     KV_GUARD_OFF,

@@ -79,24 +79,31 @@ HOOKS: tuple[Hook, ...] = (
         "and its own hooks are in place",
         guard=False,
     ),
-    # --- admission: one limit, hard 4xx (admission.py, http_guard.py) --------------------------
+    # --- the worker's HTTP front door: one declared middleware stack (front_door.py) ----------
     Hook(
         "sglang.srt.entrypoints.http_server.launch_server",
         Kind.BEFORE,
-        "glm53_serving.http_guard:install_middleware_hook",
+        "glm53_serving.front_door:install_hook",
         ("server_args",),
-        "install the middleware that sends a rejected request's 4xx before any byte of a 200 "
-        "(upstream streams /generate rejections under HTTP 200)",
+        "install the front door (contract errors -> tenant -> body limit -> hard reject -> validation) "
+        "while the app can still take middlewares: authentication before anything reads the body, a "
+        "rejected request's 4xx before any byte of a 200 (upstream streams /generate rejections under HTTP 200)",
     ),
-    # --- request validation: size, schema, domains (request_guard.py, validation.py) ---------
     Hook(
         "sglang.srt.entrypoints.http_server._setup_and_run_http_server",
         Kind.BEFORE,
-        "glm53_serving.request_guard:install_hook",
+        "glm53_serving.front_door:warm_hook",
         ("server_args", "tokenizer_manager"),
-        "before uvicorn starts: install the body-size limit (413 before reading), the validation "
-        "of every generation request before SGLang's handler (upstream crashes on some, 500s or "
-        "ignores others), and the contract shape for every 4xx upstream answers itself",
+        "build and warm the validator's checks from this server's tokenizer manager before it reports "
+        "ready (built lazily, the first requests after start took 2 to 7 s)",
+    ),
+    Hook(
+        "sglang.srt.entrypoints.http_server._freeze_gc_after_server_warmup",
+        Kind.REPLACE,
+        "glm53_serving.tenant_guard:freeze_gc_after_warmup",
+        ("server_args",),
+        "SGLang posts /freeze_gc to itself after warm-up without a credential the tenant guard takes "
+        "(401: no worker heap was frozen); ours sends an in-process credential valid on that route only",
     ),
     Hook(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

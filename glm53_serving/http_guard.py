@@ -17,53 +17,8 @@ status is useful before the first byte of the body exists.
 
 from __future__ import annotations
 
-import contextvars
-import json
-import logging
-from dataclasses import dataclass
-
+from glm53_serving import rejection
 from glm53_serving.errors import ClientError, code_from_message
-from glm53_serving.metrics import LazyCounter
-
-logger = logging.getLogger("glm53_serving")
-
-
-@dataclass(slots=True)
-class _Slot:
-    path: str
-    rejection: ClientError | None = None
-
-
-_slot: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("glm53_request_slot", default=None)
-REJECTIONS = LazyCounter("glm53_rejections", "Requests rejected by glm53_serving guards", ("reason", "endpoint"))
-
-
-def reject(error: ClientError, reason: str) -> None:
-    """Record that this request is rejected; the middleware turns it into the response."""
-    slot = _slot.get()
-    endpoint = slot.path if slot else "unknown"
-    if slot is not None and slot.rejection is None:
-        slot.rejection = error
-    logger.info("glm53_serving rejected %s on %s: %s", reason, endpoint, error.message)
-    REJECTIONS.inc(reason=reason, endpoint=endpoint)
-
-
-async def send_json(send, status: int, body: dict) -> None:
-    """One complete JSON response (every response our middlewares answer themselves)."""
-    raw = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": raw, "more_body": False})
-
-
-def current_path() -> str | None:
-    slot = _slot.get()
-    return slot.path if slot else None
 
 
 class HardRejectMiddleware:
@@ -73,8 +28,7 @@ class HardRejectMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        slot = _Slot(path=scope.get("path", ""))
-        token = _slot.set(slot)
+        slot, token = rejection.open_slot(scope.get("path", ""))
         held: dict | None = None
         replaced = False
 
@@ -88,7 +42,7 @@ class HardRejectMiddleware:
             if message["type"] == "http.response.body" and held is not None:
                 if slot.rejection is not None:
                     replaced = True
-                    return await send_json(send, slot.rejection.status, slot.rejection.body())
+                    return await rejection.send_error(send, slot.rejection)
                 start, held = held, None
                 await send(start)
             await send(message)
@@ -96,7 +50,7 @@ class HardRejectMiddleware:
         try:
             await self.app(scope, receive, guarded_send)
         finally:
-            _slot.reset(token)
+            rejection.close_slot(token)
 
 
 # FINISH_ABORT.err_type values our scheduler-side guards set -> contract code (errors.py)
@@ -117,26 +71,5 @@ def contract_abort_hook(self, out, state, is_stream, *args, **kwargs):
         # and upstream's abort wraps that reason in its own message.
         code, message = code_from_message(message) or (None, message)
     if code is not None:
-        reject(ClientError(code, message or code, details={"rid": getattr(state.obj, "rid", None)}), reason=code)
+        rejection.reject(ClientError(code, message or code, details={"rid": getattr(state.obj, "rid", None)}))
     return None
-
-
-def install_middleware_hook(*args, **kwargs):
-    """BEFORE http_server.launch_server: add the middlewares while the app can still take them
-    (the tenant guard inside, so that its 401/403 are counted with the slot in place)."""
-    from sglang.srt.entrypoints.http_server import app
-
-    from glm53_serving import tenant_guard
-
-    tenant_guard.install(app, kwargs.get("server_args", args[0] if args else None))
-    if not any(m.cls is HardRejectMiddleware for m in app.user_middleware):
-        app.add_middleware(HardRejectMiddleware)
-    return None
-
-
-def installed() -> bool:
-    from sglang.srt.entrypoints.http_server import app
-
-    from glm53_serving import tenant_guard
-
-    return any(m.cls is HardRejectMiddleware for m in app.user_middleware) and tenant_guard.installed(app)

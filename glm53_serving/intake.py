@@ -13,23 +13,8 @@ fields kills the decode server (AttributeError in `_bootstrap_addr`).
 
 from __future__ import annotations
 
-from glm53_serving import admission, env, http_guard, tenant_guard, validation
+from glm53_serving import admission, env, rejection, tenant_guard, validation
 from glm53_serving.errors import ClientError
-
-
-def check_token_ids(input_ids, vocab_size: int) -> None:
-    if not input_ids:
-        return
-    lo, hi = min(input_ids), max(input_ids)
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ClientError(
-            "invalid_request_error",
-            f"input_ids contains token id {bad}, outside this model's vocabulary [0, {vocab_size}).",
-            param="input_ids",
-            details={"vocab_size": vocab_size},
-        )
-
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils: decode skips the transfer
 
@@ -79,7 +64,7 @@ def _privileged() -> bool:
     p = tenant_guard.current()
     if p is not None:
         return p.is_admin
-    return http_guard.current_path() in ("/health", "/health_generate")
+    return rejection.current_path() in ("/health", "/health_generate")
 
 
 def validate_request_hook(self, obj, input_ids, *args, **kwargs):
@@ -88,10 +73,12 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
     limits = admission.current_limits()
     try:
         if limits is None:  # cannot happen after start-up (startup.py sets it); fail closed anyway
-            raise ClientError("context_length_exceeded", "admission limits are not initialised; refusing")
-        check_token_ids(input_ids, self.model_config.vocab_size)
+            raise ClientError("internal_error", "This server's admission limits are not set; it refuses every request.")
+        endpoint = rejection.current_path()
+        param = validation.prompt_param(endpoint, getattr(obj, "input_ids", None) is not None)
+        validation.check_token_ids(input_ids, self.model_config.vocab_size, param)
         validation.check_tokenized(
-            input_ids, getattr(obj, "top_logprobs_num", None), self.model_config.vocab_size, http_guard.current_path()
+            input_ids, getattr(obj, "top_logprobs_num", None), self.model_config.vocab_size, endpoint, param
         )
         params = getattr(obj, "sampling_params", None)
         if not isinstance(params, dict):  # embedding requests: prompt bound only
@@ -104,6 +91,7 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
             len(input_ids) if input_ids is not None else 0,
             requested,
             clip=admission.clip_output(),
+            prompt_param=param,
         )
         if hasattr(obj, "bootstrap_host"):  # generation requests (embeddings carry no routing)
             check_pd_routing(
@@ -111,7 +99,7 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
             )
             tenant_guard.namespace_request(obj)
     except ClientError as e:
-        http_guard.reject(e, reason=e.code if e.code != "invalid_request_error" else f"invalid_{e.param}")
+        rejection.reject(e, detail=f"{e.code} ({e.param})" if e.param else None)
         raise
     if allowed != requested:
         params["max_new_tokens"] = allowed

@@ -170,10 +170,10 @@ def server_probe(child: Child, client: httpx.Client) -> bool:
         )
     if not status.get("active"):
         say(f"WARNING: {child.name} runs with glm53_serving guards DISABLED ({status.get('disabled_by')})")
-    elif (status.get("tenants") == "enforced") != (tenants.KEY_FILE_ENV in child.env):
+    elif status.get("tenants") != (want := "off" if child.env.get(env.TENANTS.name) == "off" else "enforced"):
         raise LaunchError(
-            f"{child.name}: tenants {status.get('tenants')!r} on the server, but the deployment "
-            f"{'has' if tenants.KEY_FILE_ENV in child.env else 'has no'} tenants. Refusing to serve."
+            f"{child.name}: tenants {status.get('tenants')!r} on the server, but {want!r} in the deployment. "
+            "Refusing to serve."
         )
     return True
 
@@ -263,7 +263,7 @@ class Tenancy:
     file, and (demo mode) the demo tenants' keys, also kept in the run dir (0600) for scripts."""
 
     key_file: Path | None = None
-    tenants_file: Path | None = None
+    tenants_file: Path | None = None  # None: tenants off (the key then signs operator tokens only)
     demo_keys: dict[str, str] = field(default_factory=dict)
 
     DEMO_TENANTS = ("demo", "demo-b")
@@ -271,11 +271,9 @@ class Tenancy:
     @classmethod
     def prepare(cls, topo: Topology, run_dir: Path, create: bool = True) -> Tenancy:
         conf = topo.tenants
-        if conf.mode == "off":
-            return cls()
         base = Path(topo.source).parent if topo.source != "<inline>" else Path.cwd()
         key_file = (base / conf.assertion_key_file) if conf.assertion_key_file else run_dir / "assertion.key"
-        tenants_file = (base / conf.file) if conf.mode == "file" else run_dir / "tenants.toml"
+        tenants_file = {"file": base / (conf.file or ""), "demo": run_dir / "tenants.toml"}.get(conf.mode)
         out = cls(key_file, tenants_file)
         if not create:
             return out
@@ -288,15 +286,23 @@ class Tenancy:
             fd = os.open(run_dir / "demo-keys.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(out.demo_keys, f)
-        tenants.TenantsFile.load(tenants_file)
+        if tenants_file is not None:
+            tenants.TenantsFile.load(tenants_file)
         return out
 
+    @property
+    def on(self) -> bool:
+        return self.tenants_file is not None
+
     def env(self) -> dict[str, str]:
-        return {} if self.key_file is None else {tenants.KEY_FILE_ENV: str(self.key_file)}
+        """A worker's: the key (operator routes always need the operator's assertion), and tenants
+        off only when the topology says so."""
+        return {tenants.KEY_FILE_ENV: str(self.key_file), **({} if self.on else {env.TENANTS.name: "off"})}
+
+    def gateway_env(self) -> dict[str, str]:
+        return {tenants.KEY_FILE_ENV: str(self.key_file)} if self.on else {}
 
     def admin_headers(self) -> dict[str, str]:
-        if self.key_file is None:
-            return {}
         return {"Authorization": "Bearer " + tenants.mint(tenants.load_assertion_key(self.key_file), tenants.ADMIN)}
 
 
@@ -350,7 +356,11 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
             base=shared,
         )
         upstream = router.url
-    gateway = child("gateway", lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file))
+    gateway = child(
+        "gateway",
+        lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file),
+        base={**shared, **tenancy.gateway_env()},
+    )
     return Plan(servers, router, gateway)
 
 
@@ -371,7 +381,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
     sup.start(p.gateway)
     wait_ready(sup, {p.gateway.name: gateway_probe}, t0, topo.ready_timeout_s)
     client_url = p.gateway.url
-    if tenancy.key_file is None or tenancy.demo_keys:  # through the front door, as a client would
+    if not tenancy.on or tenancy.demo_keys:  # through the front door, as a client would
         key = next(iter(tenancy.demo_keys.values()), None)
         smoke_generate(client_url, {"Authorization": f"Bearer {key}"} if key else {})
     else:  # the operator's tenants file: we hold no tenant key; the upstream takes the admin's assertion

@@ -1,4 +1,4 @@
-"""Every server's HTTP front door: body size, request validation, and 4xx bodies in the contract shape.
+"""Request validation at every server's HTTP front door, and 4xx bodies in the contract shape.
 
 Invariants, in each SGLang server's HTTP process (single, prefill and decode alike):
 - a body over the configured size (`GLM53_MAX_BODY_BYTES`, set by the launcher from the
@@ -9,7 +9,7 @@ Invariants, in each SGLang server's HTTP process (single, prefill and decode ali
 - every 4xx on a generation endpoint, and every 413, has the contract body (errors.py), whoever
   produced it: upstream answers its own rejections in four shapes, some a plain-text body.
 
-Order, outermost first: ContractErrors -> RequestBodyLimitMiddleware -> RequestValidator -> app.
+Where each layer sits in the worker's middleware stack: front_door.py (declared once).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from __future__ import annotations
 import logging
 
 import orjson
-from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
-from glm53_serving import env, http_guard, validation
+from glm53_serving import env, rejection, validation
 from glm53_serving.errors import ClientError
 
 logger = logging.getLogger("glm53_serving")
@@ -32,28 +31,38 @@ def max_body_bytes() -> int:
     return int(raw)
 
 
+_prepared: validation.RequestChecks | None = None
+
+
+def prepare(tokenizer_manager) -> validation.RequestChecks:
+    """This server's checks, built from its tokenizer manager and warmed (the front door calls it
+    before the server reports ready: built lazily, the first requests took 2 to 7 s)."""
+    global _prepared
+    if _prepared is None:
+        tm = tokenizer_manager
+        _prepared = validation.RequestChecks(
+            tm.model_config.vocab_size,
+            not tm.model_config.is_multimodal,
+            validation.sglang_verify(tm.tokenizer, tm.sampling_params_class),
+            max_n=validation.MAX_N_PD if env.role() != "single" else validation.MAX_N,
+        ).warmed()
+    return _prepared
+
+
 class RequestValidator:
     """Reads a generation request's body, validates it, and replays it to SGLang's handler."""
 
-    def __init__(self, app, tokenizer_manager=None, checks: validation.RequestChecks | None = None):
+    def __init__(self, app, checks: validation.RequestChecks | None = None):
         self.app = app
-        self.tm = tokenizer_manager
-        self._checks = checks  # else from the tokenizer manager, on first use
+        self._checks = checks  # else this server's (prepare)
 
     def checks(self) -> validation.RequestChecks:
-        if self._checks is None:
-            tm = self.tm
-            if tm is None:
-                from sglang.srt.entrypoints.http_server import get_global_state
+        if self._checks is None and _prepared is None:
+            from sglang.srt.entrypoints.http_server import get_global_state
 
-                tm = get_global_state().tokenizer_manager
-            pd = env.role() != "single"
-            self._checks = validation.RequestChecks(
-                tm.model_config.vocab_size,
-                not tm.model_config.is_multimodal,
-                validation.sglang_verify(tm.tokenizer, tm.sampling_params_class),
-                max_n=validation.MAX_N_PD if pd else validation.MAX_N,
-            ).warmed()
+            prepare(get_global_state().tokenizer_manager)
+        if self._checks is None:
+            self._checks = _prepared
         return self._checks
 
     async def __call__(self, scope, receive, send):
@@ -73,9 +82,8 @@ class RequestValidator:
             body = validation.parse_body(raw, content_type)
             self.checks().check(path, body)
         except ClientError as e:
-            logger.info("glm53_serving rejected invalid request on %s: %s", path, e.message)
-            http_guard.REJECTIONS.inc(reason=f"invalid_{e.param}" if e.param else "invalid_body", endpoint=path)
-            return await http_guard.send_json(send, e.status, e.body())
+            rejection.count(e, path, detail=f"invalid {e.param or 'body'}")
+            return await rejection.send_error(send, e)
 
         replayed = False
 
@@ -127,7 +135,7 @@ class ContractErrors:
                         }
                     )
                     return await send({"type": "http.response.body", "body": raw, "more_body": False})
-                return await http_guard.send_json(send, status, contract_body(status, raw))
+                return await rejection.send_json(send, status, contract_body(status, raw))
             await send(message)
 
         await self.app(scope, receive, guarded_send)
@@ -160,27 +168,4 @@ def contract_body(status: int, raw: bytes) -> dict:
             (err.get("message") if isinstance(err, dict) else err) or body.get("message") or body.get("detail") or body
         )
     code = "not_found" if status == 404 else "invalid_request_error"
-    return {"error": {"message": str(message)[:2000], "type": "invalid_request_error", "param": None, "code": code}}
-
-
-def install_hook(server_args=None, tokenizer_manager=None, *args, **kwargs):
-    """BEFORE http_server._setup_and_run_http_server (uvicorn not started yet): add the three
-    layers; the validator reads the model's facts from this server's tokenizer manager."""
-    from sglang.srt.entrypoints.http_server import app
-
-    if installed():
-        return None
-    validator_checks = None
-    if tokenizer_manager is not None:  # build and warm the checks before the server reports ready
-        validator_checks = RequestValidator(None, tokenizer_manager).checks()
-    # add_middleware puts each new one outermost.
-    app.add_middleware(RequestValidator, tokenizer_manager=tokenizer_manager, checks=validator_checks)
-    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes())
-    app.add_middleware(ContractErrors)
-    return None
-
-
-def installed() -> bool:
-    from sglang.srt.entrypoints.http_server import app
-
-    return any(m.cls is ContractErrors for m in app.user_middleware)
+    return ClientError(code, str(message)[:2000]).body()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from glm53_serving import admission, env, http_guard, intake, kv_guard, plugin, tenant_guard
+from glm53_serving import admission, env, front_door, intake, kv_guard, plugin, tenant_guard
 from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
@@ -111,8 +111,7 @@ def require_verified_schedulers(infos: list, scheduler_pipe_readers=None, schedu
         else:
             caps.append(Capacity(**info[STATUS_KEY]["capacity"]))
     if plugin.guards_active() and not problems:
-        if not http_guard.installed():
-            problems.append("the hard-4xx middleware is not installed on the HTTP app")
+        problems += front_door.problems()
         if any(c.role != "single" for c in caps) and intake.trusted_bootstrap() is None:
             problems.append(
                 f"a PD server needs its deployment's prefill bootstrap endpoints in "

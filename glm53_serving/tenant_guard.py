@@ -1,14 +1,18 @@
 """Worker side of tenancy: every route is classified, every request carries a verified principal,
 and a tenant sees only its own namespace, sessions and requests.
 
-Invariants (when the deployment has tenants, i.e. the launcher gave this worker the assertion key):
+Invariants:
 - A request reaches a handler only if its route is OPEN (health, metrics, model listing) or it
   carries a valid assertion: TENANT routes take a tenant's or the admin's, ADMIN routes (every
   control endpoint, and any route this table does not know) only the admin's. Missing or invalid
-  → 401 invalid_api_key; a tenant on an admin route → 403 permission_denied.
+  -> 401 invalid_api_key; a tenant on an admin route -> 403 permission_denied. Checked before
+  anything reads the body (front_door.py).
+- Tenants are on unless the launcher switched them off explicitly (GLM53_TENANTS=off); a worker
+  without its deployment's assertion key refuses to start otherwise. Off: TENANT routes need no
+  credential and every request shares one KV namespace; ADMIN routes stay the operator's.
 - A generation request's prefix-cache namespace is set here from its tenant (keyed with the
   deployment's key); whatever `cache_salt`/`extra_key` the client sent is discarded. The KV owner
-  tag (kv_guard) derives from the same namespace, so owner == tenant.
+  tag (kv_owner) derives from the same namespace, so owner == tenant.
 - Sessions and requests belong to the tenant that created them: another tenant gets 404 on a
   session (existence is not revealed) and its abort of a request it does not own does nothing.
 
@@ -22,10 +26,11 @@ from __future__ import annotations
 import contextvars
 import logging
 import re
+import secrets
 from collections import OrderedDict
 from enum import Enum
 
-from glm53_serving import tenants
+from glm53_serving import env, rejection, tenants
 from glm53_serving.errors import ClientError
 from glm53_serving.tenants import Principal
 
@@ -173,47 +178,81 @@ def access_of(path: str) -> Access:
     return next((a for rx, a in _TEMPLATED if rx.match(path)), Access.ADMIN)
 
 
+INTERNAL = "__internal__"  # the server's own calls: /health_generate's namespace, the internal credential
+
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("glm53_principal", default=None)
-_key: bytes | None = None  # the deployment's assertion key; None: tenants off on this worker
+_key: bytes | None = None  # the deployment's assertion key; None only when tenants are off explicitly
+_tenants_on = True  # False: GLM53_TENANTS=off, one trust domain (the operator's routes stay the operator's)
+
+# The server's own calls to its own HTTP endpoints. SGLang posts /freeze_gc to itself after
+# warm-up (http_server._freeze_gc_after_server_warmup) so that the scheduler and detokenizer
+# freeze their start-up heaps too; with tenants that call was refused (401) and no worker heap was
+# ever frozen. Our replacement (freeze_gc_after_warmup) sends a credential that exists only in
+# this process's memory, random per process, accepted on these routes only.
+INTERNAL_ROUTES = frozenset({"/freeze_gc"})
+_INTERNAL_TOKEN = "glm53-internal-" + secrets.token_urlsafe(32)
+_INTERNAL = Principal(INTERNAL)
 
 
 def enforced() -> bool:
-    return _key is not None
+    """Tenants are enforced on this worker (every TENANT route needs a verified assertion)."""
+    return _tenants_on
 
 
 def current() -> Principal | None:
     return _principal.get()
 
 
+def internal_header() -> str:
+    return f"Bearer {_INTERNAL_TOKEN}"
+
+
+def authorize(access: Access, path: str, authorization: str | None) -> Principal | None:
+    """Who may call `path` with this `Authorization` header: the principal (None: no credential
+    needed and none given), or a ClientError (401 / 403) to send instead of the handler's answer."""
+    if access is Access.OPEN:
+        return None
+    if authorization == internal_header() and path in INTERNAL_ROUTES:
+        return _INTERNAL
+    principal = tenants.verify(_key, authorization) if _key is not None else None
+    if access is Access.ADMIN:
+        if principal is None:
+            raise ClientError(
+                "invalid_api_key",
+                f"{path} is an operator endpoint: send an operator assertion "
+                "(python -m glm53_serving.tenants admin-token KEYFILE).",
+            )
+        if not principal.is_admin:
+            raise ClientError("permission_denied", f"{path} is an operator endpoint.")
+        return principal
+    if principal is None and _tenants_on:
+        raise ClientError(
+            "invalid_api_key",
+            "This worker serves only requests forwarded by its deployment's gateway (missing or invalid tenant "
+            "assertion).",
+        )
+    return principal
+
+
 class TenantGuardMiddleware:
+    """Authentication, before anything reads the body (front_door.py puts it right inside the
+    contract-errors layer)."""
+
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or _key is None:
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        access = access_of(path)
-        if access is Access.OPEN:
-            return await self.app(scope, receive, send)
         header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-        principal = tenants.verify(_key, header)
-        error = None
-        if principal is None:
-            error = ClientError(
-                "invalid_api_key",
-                "This worker serves only requests forwarded by its deployment's "
-                "gateway (missing or invalid tenant assertion).",
-            )
-        elif access is Access.ADMIN and not principal.is_admin:
-            error = ClientError("permission_denied", f"{path} is an operator endpoint.")
-        if error is not None:
-            from glm53_serving.http_guard import REJECTIONS, send_json
-
-            REJECTIONS.inc(reason=error.code, endpoint=path if path in ROUTES else "other")
+        try:
+            principal = authorize(access_of(path), path, header)
+        except ClientError as error:
+            rejection.count(error, path)
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008})
-            return await send_json(send, error.status, error.body())
+            return await rejection.send_error(send, error)
         token = _principal.set(principal)
         try:
             await self.app(scope, receive, send)
@@ -221,26 +260,54 @@ class TenantGuardMiddleware:
             _principal.reset(token)
 
 
-def install(app, server_args) -> None:
-    """Called by http_guard's install hook, before the app starts."""
-    global _key
+def configure(server_args) -> None:
+    """The front door calls it before installing the stack: the deployment's key and tenant mode.
+    A worker without its key refuses to start unless tenants were switched off explicitly."""
+    global _key, _tenants_on
+    mode = env.TENANTS.get()
+    if mode not in ("on", "off"):
+        raise ValueError(f"{env.TENANTS.name}={mode!r}: on (the default) or off")
+    _tenants_on = mode == "on"
     _key = tenants.load_assertion_key()
-    if _key is None:
+    if _key is None and _tenants_on:
+        raise ValueError(
+            f"no assertion key ({env.ASSERTION_KEY_FILE.name} is not set): a worker without its deployment's key "
+            f"cannot tell tenants apart. Start it through the launcher, or set {env.TENANTS.name}=off for a "
+            "single-trust-domain server (its operator routes then answer nobody)"
+        )
+    if not _tenants_on:
         logger.warning(
-            "glm53_serving: no %s: tenants are OFF on this worker (single-user deployment)", tenants.KEY_FILE_ENV
+            "glm53_serving: tenants are OFF on this worker (%s=off): every client shares one KV namespace; "
+            "operator routes %s",
+            env.TENANTS.name,
+            "take an operator assertion" if _key is not None else "answer nobody (no assertion key)",
         )
-        return
-    if getattr(server_args, "enable_response_store", False):
-        raise RuntimeError(
-            "glm53_serving: --enable-response-store is refused with tenants: stored responses "
-            "have no owner upstream (any tenant could read another's by id)"
+    elif getattr(server_args, "enable_response_store", False):
+        raise ValueError(
+            "--enable-response-store is refused with tenants: stored responses have no owner upstream "
+            "(any tenant could read another's by id)"
         )
-    if not any(m.cls is TenantGuardMiddleware for m in app.user_middleware):
-        app.add_middleware(TenantGuardMiddleware)
 
 
-def installed(app) -> bool:
-    return _key is None or any(m.cls is TenantGuardMiddleware for m in app.user_middleware)
+def freeze_gc_after_warmup(server_args, *args, **kwargs):
+    """REPLACE http_server._freeze_gc_after_server_warmup: the same call to this server's own
+    /freeze_gc, with the in-process internal credential instead of an API key."""
+    import requests
+    from sglang.srt.entrypoints.http_server import ssl_verify_of
+
+    try:
+        r = requests.post(
+            server_args.url() + "/freeze_gc",
+            headers={"Authorization": internal_header()},
+            timeout=10,
+            verify=ssl_verify_of(server_args),
+        )
+        r.raise_for_status()
+    except requests.exceptions.RequestException as e:
+        logger.warning("glm53_serving: post-warm-up freeze_gc failed: %s", e)
+        return None
+    logger.info("glm53_serving: froze the start-up heap of every process of this server (internal /freeze_gc)")
+    return None
 
 
 # --- what a tenant may touch --------------------------------------------------------------
@@ -268,7 +335,6 @@ class _Owners:
 
 SESSIONS = _Owners(100_000)
 REQUESTS = _Owners(200_000)
-INTERNAL = "__internal__"  # requests a worker makes to itself (/health_generate) have no tenant
 
 
 def _session_not_found(session_id) -> ClientError:
@@ -276,13 +342,15 @@ def _session_not_found(session_id) -> ClientError:
 
 
 def namespace_request(obj) -> None:
-    """In intake, for every generation request: impose the tenant's namespace, check its session."""
-    if _key is None:
+    """In intake, for every generation request: impose the tenant's namespace, check its session.
+    With tenants off, one namespace for everyone: the client's cache_salt never picks a KV owner."""
+    obj.extra_key = None
+    if not _tenants_on:
+        obj.cache_salt = None
         return
     p = current()
     tenant = p.tenant if p is not None else INTERNAL
     obj.cache_salt = tenants.cache_salt(_key, tenant)
-    obj.extra_key = None
     session = getattr(obj, "session_id", None)
     if session is None and isinstance(getattr(obj, "session_params", None), dict):
         session = obj.session_params.get("id")
@@ -296,7 +364,7 @@ async def open_session_hook(original, self, obj, request=None):
     """AROUND TokenizerManager.open_session: the opener's tenant owns the session."""
     session_id = await original(self, obj, request)
     p = current()
-    if session_id is not None and _key is not None and p is not None:
+    if session_id is not None and _tenants_on and p is not None:
         SESSIONS.record(session_id, p.tenant)
     return session_id
 
@@ -304,13 +372,11 @@ async def open_session_hook(original, self, obj, request=None):
 def close_session_hook(self, obj, request=None):
     """BEFORE TokenizerManager.close_session."""
     p = current()
-    if _key is None or p is None or p.is_admin:
+    if not _tenants_on or p is None or p.is_admin:
         return None
     if SESSIONS.owner(obj.session_id) != p.tenant:
-        from glm53_serving import http_guard
-
         error = _session_not_found(obj.session_id)
-        http_guard.reject(error, reason="session_not_found")
+        rejection.reject(error)
         raise error
     SESSIONS.forget(obj.session_id)
     return None
@@ -318,19 +384,18 @@ def close_session_hook(self, obj, request=None):
 
 def abort_request_hook(original, self, rid: str = "", abort_all: bool = False):
     """AROUND TokenizerManager.abort_request: a tenant aborts only its own requests; abort_all is
-    the operator's. Called without a principal, it is SGLang's own (disconnects, shutdown)."""
+    the operator's, whatever the tenant mode. Called outside any HTTP request, it is SGLang's own
+    (shutdown, its watchdogs); inside one, the caller is whoever the tenant guard let in."""
     p = current()
-    if _key is None or p is None or p.is_admin:
+    if (p is not None and p.is_admin) or (p is None and rejection.current_slot() is None):
         return original(self, rid=rid, abort_all=abort_all)
     if abort_all:
-        from glm53_serving import http_guard
-
         error = ClientError(
             "permission_denied", "abort_all is an operator action; abort your requests by rid.", param="abort_all"
         )
-        http_guard.reject(error, reason="permission_denied")
+        rejection.reject(error)
         raise error
-    if REQUESTS.owner(rid) != p.tenant:
-        logger.info("glm53_serving: tenant %s tried to abort request %s it does not own; ignored", p.tenant, rid)
+    if _tenants_on and (p is None or REQUESTS.owner(rid) != p.tenant):
+        logger.info("glm53_serving: %s tried to abort request %s it does not own; ignored", p and p.tenant, rid)
         return None  # as for an unknown rid: existence is not revealed
     return original(self, rid=rid, abort_all=abort_all)

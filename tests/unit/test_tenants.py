@@ -119,20 +119,3 @@ def test_control_endpoints_are_admin_and_unknown_paths_fail_closed():
     assert access_of("/v1/responses/resp_123") is Access.ADMIN
     assert access_of("/v1/models/glm53-tiny") is Access.OPEN
     assert access_of("/metrics") is Access.OPEN and access_of("/health") is Access.OPEN
-
-
-def test_a_worker_with_tenants_refuses_the_ownerless_response_store(monkeypatch, tmp_path):
-    from types import SimpleNamespace
-
-    from starlette.applications import Starlette
-
-    from glm53_serving import tenant_guard
-
-    key = tenants.new_assertion_key(tmp_path / "k")
-    monkeypatch.setenv(tenants.KEY_FILE_ENV, str(key))
-    monkeypatch.setattr(tenant_guard, "_key", None)
-    with pytest.raises(RuntimeError, match="enable-response-store"):
-        tenant_guard.install(Starlette(), SimpleNamespace(enable_response_store=True))
-    app = Starlette()
-    tenant_guard.install(app, SimpleNamespace(enable_response_store=False))
-    assert tenant_guard.installed(app) and tenant_guard.enforced()
