@@ -13,7 +13,10 @@ Formula (per server s, from its own scheduler; docs/admission.md):
     input_s = min(context_length - 1, kv_s - 1) - 5       # SGLang's max_req_input_len (exclusive)
     decode:  input_s = min(input_s, kv_s - reserve_s)     # decode keeps num_reserved_decode_tokens free
     total_s = min(context_length, kv_s) - 2 * page_s      # single/decode hold prompt + output; prefill: no bound
+    single/decode: input_s = min(input_s, total_s)        # a served prompt has room for one output token
     deployment: max_input_tokens = min_s input_s, max_total_tokens = min_s total_s
+What the deployment advertises is exactly that: the largest prompt (`max_input_tokens - 1`) and
+the largest prompt + output (`max_model_len`, = max_total_tokens), both served.
 """
 
 from __future__ import annotations
@@ -42,15 +45,20 @@ class Capacity:
     decode_reserve: int = 0
 
     def __post_init__(self):
-        assert self.role in ("single", "prefill", "decode"), self.role
-        assert self.context_length > 0 and self.kv_tokens > 0 and self.page_size > 0 and self.decode_reserve >= 0
+        if self.role not in ("single", "prefill", "decode"):
+            raise ValueError(f"role must be single, prefill or decode, not {self.role!r}")
+        if min(self.context_length, self.kv_tokens, self.page_size) <= 0 or self.decode_reserve < 0:
+            raise ValueError(f"context_length, kv_tokens and page_size must be positive, decode_reserve >= 0: {self}")
 
     @property
     def max_input_tokens(self) -> int:
         limit = min(self.context_length - 1, self.kv_tokens - 1) - 5
         if self.role == "decode":
             limit = min(limit, self.kv_tokens - self.decode_reserve)
-        return limit
+        # A prompt the role holds must leave room for one output token: with 64-token pages the
+        # total bound is below SGLang's input bound, and a prompt between the two was admitted with
+        # no output to give (clip mode handed it a negative max_new_tokens).
+        return min(limit, self.max_total_tokens)
 
     @property
     def max_total_tokens(self) -> int:
@@ -66,12 +74,26 @@ class Limits:
     context_length: int
 
     def __post_init__(self):
-        assert self.max_input_tokens > 0, f"no prompt fits: {self}"
+        if self.max_input_tokens <= 1:
+            raise ValueError(f"no prompt fits these limits: {self}")
+        if self.max_input_tokens > self.max_total_tokens:
+            raise ValueError(f"a prompt of max_input_tokens - 1 must leave room for one output token: {self}")
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The largest prompt served (what /v1/models advertises as max_input_tokens)."""
+        return self.max_input_tokens - 1
+
+    @property
+    def max_model_len(self) -> int:
+        """The largest prompt + output served (what /v1/models advertises as max_model_len)."""
+        return min(self.max_total_tokens, self.context_length)
 
     @classmethod
     def of(cls, capacities: Iterable[Capacity]) -> Limits:
         caps = list(capacities)
-        assert caps, "no roles"
+        if not caps:
+            raise ValueError("a deployment needs at least one role")
         return cls(
             max_input_tokens=min(c.max_input_tokens for c in caps),
             max_total_tokens=min(c.max_total_tokens for c in caps),
@@ -95,9 +117,14 @@ def clip_output() -> bool:
     return env.CLIP_OUTPUT.get() == "1"
 
 
-def check(limits: Limits, prompt_tokens: int, max_new_tokens: int | None, clip: bool = False) -> int | None:
+def check(
+    limits: Limits, prompt_tokens: int, max_new_tokens: int | None, clip: bool = False, prompt_param: str = "prompt"
+) -> int | None:
     """The admission decision. Returns the max_new_tokens to use (unchanged, or clipped when
-    `clip`), or raises ClientError(context_length_exceeded)."""
+    `clip`), or raises ClientError(context_length_exceeded) naming the field the client sent the
+    prompt in (`prompt_param`: messages, prompt, text or input_ids) or `max_tokens`.
+    `max_new_tokens` None (as much as fits; SGLang stops at the window) is admitted exactly when 1
+    is: every admitted prompt has room for one output token."""
     details = {
         "prompt_tokens": prompt_tokens,
         "max_new_tokens": max_new_tokens,
@@ -109,7 +136,7 @@ def check(limits: Limits, prompt_tokens: int, max_new_tokens: int | None, clip: 
             "context_length_exceeded",
             f"This deployment accepts prompts of at most {limits.max_input_tokens - 1} tokens; "
             f"the prompt has {prompt_tokens}.",
-            param="messages",
+            param=prompt_param,
             details=details,
         )
     if max_new_tokens is not None and prompt_tokens + max_new_tokens > limits.max_total_tokens:

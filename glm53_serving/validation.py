@@ -284,6 +284,8 @@ def check_bounds(endpoint: str, body: dict, *, text_only: bool, max_n: int = MAX
     if endpoint == GENERATE:
         _check_generate_bounds(body, text_only, max_n)
         return
+    for name in _integer_fields(endpoint):
+        _integer(body, name)
     _range(body, "n", 1, max_n)
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and temperature > OPENAI_MAX_TEMPERATURE:
@@ -292,11 +294,11 @@ def check_bounds(endpoint: str, body: dict, *, text_only: bool, max_n: int = MAX
         raise invalid(f"stop takes at most {OPENAI_MAX_STOP} sequences, got {len(body['stop'])}.", "stop")
     if endpoint == COMPLETIONS:
         _range(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-        n = body.get("n") or 1
+        n = _integer(body, "n") or 1
         _range(body, "best_of", n, max_n, why=f"at least n ({n})" if n > 1 else None)
     else:
         _range(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-        if (body.get("top_logprobs") or 0) > 0 and not body.get("logprobs"):
+        if (_integer(body, "top_logprobs") or 0) > 0 and not body.get("logprobs"):
             raise invalid("top_logprobs requires logprobs to be true.", "top_logprobs")
         if text_only:
             _check_chat_media(body["messages"])
@@ -318,11 +320,7 @@ def check_prompt(endpoint: str, body: dict, vocab_size: int) -> None:
     rows = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
     for row in rows:
         if isinstance(row, list) and row and isinstance(row[0], int):
-            bad = next((t for t in row if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise invalid(
-                    f"{name} contains token id {bad}, outside this model's vocabulary [0, {vocab_size}).", name
-                )
+            check_token_ids(row, vocab_size, name)
 
 
 def _check_generate_bounds(body: dict, text_only: bool, max_n: int) -> None:
@@ -368,13 +366,41 @@ def _check_chat_media(messages: list) -> None:
 
 
 def _range(obj: dict, name: str, lo: int, hi: int, *, prefix: str = "", why: str | None = None) -> None:
-    value = obj.get(name)
-    if value is None or isinstance(value, bool) or not isinstance(value, int):
-        return  # absent, or a type error the schema reports
-    if not lo <= value <= hi:
+    """`obj[name]` within [lo, hi] by its value: pydantic turns an integral float (2.0, 1000.0)
+    into an int for SGLang, so it is judged as that int here too (a bound skipped for floats let
+    `n: 1000.0` run 1,000 generations and `n: 2.0` reach a PD worker)."""
+    value = _integer(obj, name, prefix)
+    if value is not None and not lo <= value <= hi:
         raise invalid(
-            f"{prefix}{name} must be in [{lo}, {hi}]{f' ({why})' if why else ''}, got {value}.", prefix + name
+            f"{prefix}{name} must be in [{lo}, {hi}]{f' ({why})' if why else ''}, got {obj[name]}.", prefix + name
         )
+
+
+def _integer(obj: dict, name: str, prefix: str = "") -> int | None:
+    """The integer a field holds as SGLang will read it; None when absent or not a number (a type
+    error the schema reports). A boolean is not a count: refused."""
+    value = obj.get(name)
+    if isinstance(value, bool):
+        raise invalid(f"{prefix}{name} must be an integer, not a boolean.", prefix + name)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else None
+
+
+@functools.cache
+def _integer_fields(endpoint: str) -> tuple[str, ...]:
+    """The top-level integer fields of an OpenAI endpoint's request model."""
+    import typing
+
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = CompletionRequest if endpoint == COMPLETIONS else ChatCompletionRequest
+    out = []
+    for name, f in model.model_fields.items():
+        args = typing.get_args(f.annotation) or (f.annotation,)
+        if int in args and bool not in args:
+            out.append(name)
+    return tuple(out)
 
 
 # --- sampling parameter domains: SGLang's SamplingParams.verify, attributed ---------------------
@@ -403,11 +429,8 @@ def check_sampling(endpoint: str, body: dict, vocab_size: int, verify: Callable[
 
 def _check_stop_token_ids(ids, vocab_size: int) -> None:
     # Upstream ignores ids outside the vocabulary (they can never match): say so instead.
-    for t in ids or ():
-        if isinstance(t, int) and not 0 <= t < vocab_size:
-            raise ValueError(
-                f"stop_token_ids contains token id {t}, outside this model's vocabulary [0, {vocab_size})."
-            )
+    if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        check_token_ids(ids, vocab_size, "stop_token_ids")
 
 
 def _culprit(endpoint, body, prefix, params, vocab_size, verify, message) -> str | None:
@@ -502,11 +525,33 @@ class RequestChecks:
 # --- after tokenization (intake's hook) ---------------------------------------------------------
 
 
-def check_tokenized(input_ids, top_logprobs_num, vocab_size: int, endpoint: str | None) -> None:
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    """Every id of a prompt (or of stop_token_ids) inside the vocabulary: an id outside it kills the
+    scheduler upstream (IndexError in the embedding lookup). One min and max, no Python loop."""
+    if not ids:
+        return
+    try:
+        lo, hi = min(ids), max(ids)
+    except TypeError:
+        return  # not a list of numbers: a type error the schema reports
+    if lo < 0 or hi >= vocab_size:
+        raise ClientError(
+            "invalid_request_error",
+            f"{param} contains token id {lo if lo < 0 else hi}, outside this model's vocabulary [0, {vocab_size}).",
+            param=param,
+            details={"vocab_size": vocab_size},
+        )
+
+
+def prompt_param(endpoint: str | None, token_ids: bool) -> str:
+    """The field a client sent its prompt in, as its endpoint names it."""
+    return {COMPLETIONS: "prompt", CHAT: "messages"}.get(endpoint or "", "input_ids" if token_ids else "text")
+
+
+def check_tokenized(input_ids, top_logprobs_num, vocab_size: int, endpoint: str | None, param: str) -> None:
     """Right before the scheduler, whatever path the request took: an empty prompt (a zero-token
     MoE forward) and more top logprobs than the vocabulary both kill the scheduler upstream."""
     if input_ids is not None and len(input_ids) == 0:
-        param = {COMPLETIONS: "prompt", CHAT: "messages"}.get(endpoint or "", "text")
         raise invalid("The prompt is empty: it has no tokens.", param)
     if isinstance(top_logprobs_num, int) and not 0 <= top_logprobs_num <= min(MAX_TOP_LOGPROBS, vocab_size):
         param = {COMPLETIONS: "logprobs", CHAT: "top_logprobs"}.get(endpoint or "", "top_logprobs_num")

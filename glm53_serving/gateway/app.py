@@ -113,6 +113,10 @@ def routing_key(tenant: str, affinity: str) -> str:
     return hashlib.sha256(f"{tenant}\0{affinity}".encode()).hexdigest()[:32]
 
 
+def prompt_param(endpoint: str, body: dict) -> str:
+    return validation.prompt_param(endpoint, endpoint == validation.GENERATE and body.get("input_ids") is not None)
+
+
 class Gateway:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
@@ -242,12 +246,12 @@ class Gateway:
             bound = self.counter.at_most(prompt)
             if bound is not None:
                 try:
-                    check(self.cfg.limits, bound, max_new)
+                    check(self.cfg.limits, bound, max_new, prompt_param=prompt_param(endpoint, body))
                     return  # fits even at one token a byte: no need to encode
                 except ClientError:
                     pass  # the bound does not decide; the count does
             prompt = await self.encode(prompt)
-        check(self.cfg.limits, prompt, max_new)
+        check(self.cfg.limits, prompt, max_new, prompt_param=prompt_param(endpoint, body))
 
     async def encode(self, text: str) -> int:
         if len(text) <= ENCODE_ON_LOOP_MAX_CHARS:
@@ -379,8 +383,9 @@ class Gateway:
                         "id": self.cfg.served_model_name,
                         "object": "model",
                         "owned_by": "glm53_serving",
-                        "max_model_len": self.cfg.context_length,
-                        "max_input_tokens": self.cfg.limits.max_input_tokens - 1,
+                        # exactly what is served: the largest prompt + output, the largest prompt
+                        "max_model_len": self.cfg.limits.max_model_len,
+                        "max_input_tokens": self.cfg.limits.max_prompt_tokens,
                     }
                 ],
             }

@@ -164,6 +164,40 @@ def test_prompt_plus_max_tokens_at_the_budget_is_served_in_full(single):
     assert r.json()["meta_info"]["completion_tokens"] == T - 10  # not clipped
 
 
+def served_exactly(url, prompt, total):
+    """`/v1/models`' numbers are what is served: the largest prompt with the rest of the budget as
+    output, the smallest prompt with the whole budget, both generated in full (200); one token more
+    of either is the contract 400 naming the field."""
+
+    def generate(n_prompt, n_new):
+        return httpx.post(
+            f"{url}/generate",
+            timeout=600,
+            headers=auth(url),
+            json={
+                "input_ids": [5] * n_prompt,
+                "sampling_params": {"max_new_tokens": n_new, "temperature": 0, "ignore_eos": True},
+            },
+        )
+
+    for n_prompt in (prompt, 1):
+        r = generate(n_prompt, total - n_prompt)
+        assert r.status_code == 200, r.text[:500]
+        assert r.json()["meta_info"]["completion_tokens"] == total - n_prompt
+        err = assert_contract_400(generate(n_prompt, total - n_prompt + 1), prompt_at_least=0)
+        assert err["param"] == "max_tokens"
+    err = assert_contract_400(generate(prompt + 1, 1), prompt_at_least=prompt + 1)
+    assert err["param"] == "input_ids"
+
+
+@pytest.mark.parametrize("where", ["single", "pd"])
+def test_the_advertised_window_is_exactly_what_is_served(single, pd, where):
+    run = single if where == "single" else pd
+    (m,) = httpx.get(f"{run.url}/v1/models", timeout=30, headers=auth(run.url)).json()["data"]
+    assert (m["max_input_tokens"], m["max_model_len"]) == (P - 1, T)
+    served_exactly(run.url, m["max_input_tokens"], m["max_model_len"])
+
+
 # --- asymmetric PD pools: what upstream parks (client hangs) must be a 4xx within 1 s -----------
 
 
@@ -188,6 +222,12 @@ def test_asymmetric_pools_reject_at_once_and_serve_below(tmp_path, prefill_kv, d
         for w in ("prefill-0", "decode-0"):
             (m,) = httpx.get(f"{run.worker(w)}/v1/models", timeout=30).json()["data"]
             assert m["max_model_len"] == 256
+        # The client endpoint advertises what the deployment serves, which is less (decode's reserve
+        # and two pages of slack): it advertised 256 and refused every prompt over 239.
+        (m,) = httpx.get(f"{run.url}/v1/models", timeout=30, headers=auth(run.url)).json()["data"]
+        assert (m["max_input_tokens"], m["max_model_len"]) == (limits.max_prompt_tokens, limits.max_model_len)
+        assert m["max_model_len"] < 256
+        served_exactly(run.url, m["max_input_tokens"], m["max_model_len"])
         # A prompt the bigger role alone would take, the smaller one not: upstream hangs here until the
         # client gives up (30 s). Ours answers in 0.005-0.09 s on an idle machine; the bound leaves
         # room for a loaded CI machine (1.2 s seen once) and still fails on a hang.

@@ -333,3 +333,27 @@ def test_router_takes_what_the_gateway_forwards_and_refuses_past_its_own_limit(p
     r = httpx.post(f"{router}/generate", json=huge, headers=auth(router), timeout=60)
     assert r.status_code == 413, r.text[:300]
     serves_normally(pd.url, pd.client_headers())
+
+
+@pytest.mark.parametrize(
+    "where,value",
+    [("gateway-single", 1000.0), ("server", 1000.0), ("gateway-pd", 2.0), ("prefill-0", 2.0), ("decode-0", 2.0)],
+)
+def test_an_integral_float_n_is_judged_by_its_value(single, pd, where, value):
+    """`n: 1000.0` ran 1,000 completions on a single server; `n: 2.0` reached a PD worker (which
+    hangs PD upstream): both are the integer they spell."""
+    url = {
+        "gateway-single": single.url,
+        "server": single.worker("server"),
+        "gateway-pd": pd.url,
+        "prefill-0": pd.worker("prefill-0"),
+        "decode-0": pd.worker("decode-0"),
+    }[where]
+    body = {"model": "glm53-tiny", "prompt": "hello", "max_tokens": 2, "n": value}
+    if where.startswith(
+        ("prefill", "decode")
+    ):  # a worker reached with its router's routing fields, as the router sends them
+        body.update(bootstrap_host="127.0.0.1", bootstrap_port=1, bootstrap_room=1)
+    err = rejected(url, "/v1/completions", body, auth(url), "n")
+    assert err["code"] == "invalid_request_error" and str(value) in err["message"]
+    serves_normally(single.url if "single" in where or where == "server" else pd.url)

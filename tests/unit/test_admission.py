@@ -24,7 +24,7 @@ def deployments(draw):
             Capacity("prefill", ctx, draw(kv_s), page),
             Capacity("decode", ctx, draw(kv_s), page, draw(st.integers(0, 1024))),
         ]
-    if all(c.max_input_tokens > 0 for c in caps):
+    if min(c.max_input_tokens for c in caps) > 1:
         return caps
     return draw(deployments())
 
@@ -36,9 +36,11 @@ def documented(caps, prompt, max_new):
         i = min(c.context_length - 1, c.kv_tokens - 1) - 5
         if c.role == "decode":
             i = min(i, c.kv_tokens - c.decode_reserve)
-        input_limit.append(i)
         if c.role != "prefill":
-            total_limit.append(min(c.context_length, c.kv_tokens) - 2 * c.page_size)
+            total = min(c.context_length, c.kv_tokens) - 2 * c.page_size
+            total_limit.append(total)
+            i = min(i, total)  # room for one output token
+        input_limit.append(i)
     ok = prompt < min(input_limit)
     if max_new is not None and total_limit:
         ok = ok and prompt + max_new <= min(total_limit)
@@ -100,7 +102,7 @@ def test_prefill_alone_bounds_only_the_prompt():
 
 def test_error_body_has_the_openai_shape_and_the_numbers():
     with pytest.raises(ClientError) as e:
-        check(Limits(10, 20, 32), 12, 3)
+        check(Limits(10, 20, 32), 12, 3, prompt_param="messages")
     err = e.value.body()["error"]
     assert (
         err["type"] == "invalid_request_error"
@@ -129,3 +131,51 @@ def test_capacity_problems_name_every_unsafe_configuration():
     assert capacity_problems(Capacity("single", 512, 2048), None, auto_truncate=True) == []  # single may truncate
     too_small = Capacity("decode", 512, 400, decode_reserve=64)
     assert any("less than the deployment's limits" in p for p in capacity_problems(too_small, Limits.of([ok]), False))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(deployments(), st.data())
+def test_an_admitted_prompt_always_has_room_for_output_and_clip_never_goes_below_one(caps, data):
+    """With pages >= 4 the total bound falls below SGLang's input bound; a prompt between the two
+    was admitted with no room for output (clip mode gave it max_new_tokens -28). Now: an admitted
+    prompt takes `null` exactly when it takes 1 and 0, clip gives at least one token, and whatever is
+    admitted fits the total."""
+    limits = Limits.of(caps)
+    assert limits.max_prompt_tokens + 1 <= limits.max_total_tokens and limits.max_model_len <= limits.context_length
+    prompt = data.draw(st.one_of(st.integers(0, limits.max_input_tokens + 2), st.integers(0, 1 << 22)))
+    requested = data.draw(st.one_of(st.none(), st.integers(0, 1 << 22)))
+
+    def admitted(max_new, clip=False):
+        try:
+            return True, check(limits, prompt, max_new, clip=clip)
+        except ClientError as e:
+            assert e.code == "context_length_exceeded"
+            return False, None
+
+    takes_null, _ = admitted(None)
+    assert takes_null == admitted(0)[0] == admitted(1)[0] == (prompt < limits.max_input_tokens)
+    ok, allowed = admitted(requested, clip=True)
+    assert ok == takes_null
+    if ok and requested is not None:
+        assert allowed == min(requested, limits.max_total_tokens - prompt)
+        assert allowed >= min(requested, 1) and prompt + allowed <= limits.max_total_tokens
+
+
+def test_the_incident_case_of_a_page_size_64_total_below_the_input_bound():
+    limits = Limits.of([Capacity("single", 10_000, 10_000, page_size=64)])
+    assert limits.max_total_tokens == 10_000 - 128 and limits.max_input_tokens == limits.max_total_tokens
+    assert check(limits, limits.max_prompt_tokens, 1, clip=True) == 1
+    with pytest.raises(ClientError):
+        check(limits, 9_900, 1, clip=True)  # was admitted with max_new_tokens -28
+
+
+def test_the_advertised_window_is_the_served_one_with_a_clamped_small_decode_pool():
+    """clamp_context_to_kv with a 400-token decode pool under a 512 window advertised 400 and
+    refused every prompt over 335: the advertisement is now exactly what is served."""
+    ctx = 400  # clamped to the smallest pool
+    limits = Limits.of([Capacity("prefill", ctx, 2048), Capacity("decode", ctx, 400, 1, 64)])
+    assert (limits.max_model_len, limits.max_prompt_tokens) == (398, 335)
+    assert check(limits, 335, 398 - 335) == 398 - 335 and check(limits, 1, 397) == 397
+    for prompt, max_new in ((336, 1), (335, 398 - 335 + 1), (1, 398)):
+        with pytest.raises(ClientError):
+            check(limits, prompt, max_new)

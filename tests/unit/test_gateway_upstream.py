@@ -121,7 +121,8 @@ def test_a_gateway_failure_is_a_500_with_the_contract_body_and_other_routes_stil
             "code": "internal_error",
         }
         assert 'reason="internal_error"' in gw.get("/metrics").text
-        assert gw.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+        (model,) = gw.get("/v1/models").json()["data"]
+        assert (model["max_model_len"], model["max_input_tokens"]) == (510, 505)  # what is served
         assert gw.get("/generate").status_code == 405 and gw.post("/nowhere").status_code == 404
 
 

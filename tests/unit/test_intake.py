@@ -6,14 +6,15 @@ from hypothesis import strategies as st
 
 from glm53_serving.env import PREFILL_BOOTSTRAP
 from glm53_serving.errors import ClientError
-from glm53_serving.intake import FAKE_BOOTSTRAP_HOST, check_pd_routing, check_token_ids
+from glm53_serving.intake import FAKE_BOOTSTRAP_HOST, check_pd_routing
+from glm53_serving.validation import check_token_ids
 
 
 @given(st.lists(st.integers(-(2**40), 2**40), max_size=50), st.integers(1, 200_000))
 def test_token_ids_accepted_exactly_inside_the_vocabulary(ids, vocab):
     inside = all(0 <= i < vocab for i in ids)
     try:
-        check_token_ids(ids, vocab)
+        check_token_ids(ids, vocab, "input_ids")
         assert inside
     except ClientError as e:
         assert not inside and e.status == 400 and e.param == "input_ids"

@@ -221,17 +221,18 @@ def test_chat_sampling_never_raises_anything_but_a_client_error(fields):
 
 
 def test_tokenized_checks_name_the_endpoint_field():
-    with pytest.raises(ClientError) as e:
-        v.check_tokenized([], None, VOCAB, v.COMPLETIONS)
-    assert e.value.param == "prompt"
-    with pytest.raises(ClientError) as e:
-        v.check_tokenized([], None, VOCAB, v.CHAT)
-    assert e.value.param == "messages"
-    with pytest.raises(ClientError) as e:
-        v.check_tokenized([1], 1000, VOCAB, v.CHAT)
-    assert e.value.param == "top_logprobs"
-    v.check_tokenized([1], 5, VOCAB, v.GENERATE)
-    v.check_tokenized(None, None, VOCAB, None)
+    def param(ids, top, endpoint, token_ids=False):
+        with pytest.raises(ClientError) as e:
+            v.check_tokenized(ids, top, VOCAB, endpoint, v.prompt_param(endpoint, token_ids))
+        return e.value.param
+
+    assert param([], None, v.COMPLETIONS) == "prompt"
+    assert param([], None, v.CHAT) == "messages"
+    assert param([], None, v.GENERATE) == "text"
+    assert param([], None, v.GENERATE, token_ids=True) == "input_ids"
+    assert param([1], 1000, v.CHAT) == "top_logprobs"
+    v.check_tokenized([1], 5, VOCAB, v.GENERATE, "text")
+    v.check_tokenized(None, None, VOCAB, None, "text")
 
 
 @pytest.mark.parametrize(
@@ -357,3 +358,45 @@ def test_free_form_json_and_mixed_numbers_are_not_held_to_one_kind():
     check(v.CHAT, {"messages": MSG, "tools": [tool]})
     check(v.CHAT, {"messages": MSG, "logit_bias": {"3": 1, "4": 0.5}, "stop": ["a"]})
     assert rejected(v.CHAT, {"messages": MSG, "stop": ["a", 1]}).param == "stop[1]"
+
+
+# Every bounded integer field, judged by its value whatever JSON number form it comes in (the
+# schema turns 2.0 into 2 for SGLang): in range as a float passes, out of range as a float, a huge
+# float or a boolean is a 400 naming the field. The gateway and every worker run these checks.
+BOUNDED = [
+    (v.COMPLETIONS, {"prompt": "hi"}, "n", 2, v.MAX_N + 1),
+    (v.CHAT, {"messages": MSG}, "n", 2, v.MAX_N + 1),
+    (v.COMPLETIONS, {"prompt": "hi"}, "best_of", 2, v.MAX_N + 1),
+    (v.COMPLETIONS, {"prompt": "hi"}, "logprobs", 2, v.MAX_TOP_LOGPROBS + 1),
+    (v.CHAT, {"messages": MSG, "logprobs": True}, "top_logprobs", 2, v.MAX_TOP_LOGPROBS + 1),
+]
+
+
+@pytest.mark.parametrize("endpoint,base,name,inside,outside", BOUNDED, ids=lambda x: x if isinstance(x, str) else None)
+def test_integer_bounds_hold_for_every_json_number_form(endpoint, base, name, inside, outside):
+    check(endpoint, {**base, name: float(inside)})  # 2.0 is the integer 2
+    for value in (float(outside), 1e18, 1e300):
+        assert rejected(endpoint, {**base, name: value}).param == name, value
+    assert rejected(endpoint, {**base, name: True}).param == name
+
+
+@pytest.mark.parametrize("endpoint,base", [(v.COMPLETIONS, {"prompt": "hi"}), (v.CHAT, {"messages": MSG})])
+def test_a_pd_worker_refuses_n_above_one_in_any_form(endpoint, base):
+    for value in (2, 2.0, 1e300, True):
+        with pytest.raises(ClientError) as e:
+            v.check_request(
+                endpoint, {**base, "n": value}, vocab_size=VOCAB, text_only=True, verify=VERIFY, max_n=v.MAX_N_PD
+            )
+        assert e.value.param == "n", value
+    v.check_request(endpoint, {**base, "n": 1.0}, vocab_size=VOCAB, text_only=True, verify=VERIFY, max_n=v.MAX_N_PD)
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "seed", "top_k", "min_tokens"])
+def test_a_boolean_is_not_a_count(name):
+    assert rejected(v.COMPLETIONS, {"prompt": "hi", name: True}).param == name
+
+
+def test_generate_takes_integers_as_integers():
+    for value in (2.0, True, 1e300):
+        assert rejected(v.GENERATE, {"text": "hi", "sampling_params": {"n": value}}).param == "sampling_params.n"
+        assert rejected(v.GENERATE, {"text": "hi", "top_logprobs_num": value}).param == "top_logprobs_num"
