@@ -77,12 +77,13 @@ def problems(app=None) -> list[str]:
     if app is None:
         from sglang.srt.entrypoints.http_server import app
     found, want = _ours(app), [layer.cls for layer in STACK]
+    out = tenant_guard.problems()
     if found != want:
-        return [
+        out.append(
             "the HTTP front door is not the declared stack: found "
             f"{[c.__name__ for c in found]}, expected {[c.__name__ for c in want]} (outermost first)"
-        ]
-    return []
+        )
+    return out
 
 
 def install_hook(*args, **kwargs):

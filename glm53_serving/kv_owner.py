@@ -358,18 +358,12 @@ def allocator_problems(allocator) -> list[str]:
     """Why owner tags cannot be kept for this scheduler (empty: they can). Creates the tags."""
     from sglang.srt.managers import schedule_batch
     from sglang.srt.mem_cache import allocation
-    from sglang.srt.runtime_context import get_spec
 
     problems = []
     for name in ("alloc_for_extend", "alloc_for_decode"):
         # schedule_batch calls its own `from ... import` binding: it must be the hooked function
         if getattr(schedule_batch, name) is not getattr(allocation, name):
             problems.append(f"ScheduleBatch calls an unhooked {name}: KV owner tags would not be set")
-    if get_spec().speculative_algorithm is not None:
-        problems.append(
-            "KV owner tags are not set on speculative decoding's allocation path "
-            "(alloc_for_spec_decode); serving with speculative decoding is refused"
-        )
     try:
         tags = tags_of(allocator)
         assert tags.dtype == torch.int64 and tags.numel() == allocator.size // allocator.page_size + 1

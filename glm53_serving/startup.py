@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from glm53_serving import admission, env, front_door, intake, kv_guard, plugin, tenant_guard
+from glm53_serving import admission, env, front_door, intake, kv_guard, plugin, server_flags, tenant_guard
 from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
@@ -84,7 +84,7 @@ def capacity_problems(cap: Capacity, deployment: Limits | None, auto_truncate: b
 
 def scheduler_verified_info(result: dict, self) -> dict:
     """AFTER Scheduler.get_init_info."""
-    from sglang.srt.runtime_context import get_serving
+    from sglang.srt.runtime_context import get_server_args, get_serving
 
     problems = plugin.problems("scheduler")
     cap = capacity_of(self)
@@ -95,6 +95,7 @@ def scheduler_verified_info(result: dict, self) -> dict:
             deployment, problems = None, [*problems, f"{env.DEPLOYMENT_LIMITS.name} is malformed: {e}"]
         problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
         problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
+        problems += server_flags.problems(get_server_args())
     if problems:
         raise _refuse("scheduler", problems)
     result[STATUS_KEY] = {**plugin.status(), "capacity": dataclasses.asdict(cap)}
@@ -111,7 +112,10 @@ def require_verified_schedulers(infos: list, scheduler_pipe_readers=None, schedu
         else:
             caps.append(Capacity(**info[STATUS_KEY]["capacity"]))
     if plugin.guards_active() and not problems:
+        from sglang.srt.runtime_context import get_server_args
+
         problems += front_door.problems()
+        problems += server_flags.problems(get_server_args())
         if any(c.role != "single" for c in caps) and intake.trusted_bootstrap() is None:
             problems.append(
                 f"a PD server needs its deployment's prefill bootstrap endpoints in "

@@ -260,9 +260,27 @@ class TenantGuardMiddleware:
             _principal.reset(token)
 
 
+_problems: list[str] = []
+
+
+def problems() -> list[str]:
+    """Why this worker's tenant guard cannot protect it (the start-up handshake refuses on any)."""
+    return list(_problems)
+
+
 def configure(server_args) -> None:
     """The front door calls it before installing the stack: the deployment's key and tenant mode.
-    A worker without its key refuses to start unless tenants were switched off explicitly."""
+    A worker without its key refuses to start (startup.py, through problems()) unless tenants were
+    switched off explicitly; until then it answers every tenant route 401 (fail closed)."""
+    global _key, _tenants_on
+    _problems.clear()
+    try:
+        _configure(server_args)
+    except (OSError, ValueError) as e:
+        _problems.append(str(e))
+
+
+def _configure(server_args) -> None:
     global _key, _tenants_on
     mode = env.TENANTS.get()
     if mode not in ("on", "off"):
@@ -291,23 +309,38 @@ def configure(server_args) -> None:
 
 def freeze_gc_after_warmup(server_args, *args, **kwargs):
     """REPLACE http_server._freeze_gc_after_server_warmup: the same call to this server's own
-    /freeze_gc, with the in-process internal credential instead of an API key."""
+    /freeze_gc, with the in-process internal credential instead of an API key. With
+    --skip-server-warmup it runs before uvicorn listens (upstream's call then fails with
+    'connection refused'), so it waits for the listener first."""
+    import time
+
     import requests
     from sglang.srt.entrypoints.http_server import ssl_verify_of
 
-    try:
-        r = requests.post(
-            server_args.url() + "/freeze_gc",
-            headers={"Authorization": internal_header()},
-            timeout=10,
-            verify=ssl_verify_of(server_args),
-        )
-        r.raise_for_status()
-    except requests.exceptions.RequestException as e:
-        logger.warning("glm53_serving: post-warm-up freeze_gc failed: %s", e)
-        return None
+    deadline = time.monotonic() + FREEZE_WAIT_S
+    while True:
+        try:
+            r = requests.post(
+                server_args.url() + "/freeze_gc",
+                headers={"Authorization": internal_header()},
+                timeout=10,
+                verify=ssl_verify_of(server_args),
+            )
+            r.raise_for_status()
+            break
+        except requests.exceptions.ConnectionError as e:
+            if time.monotonic() > deadline:
+                logger.warning("glm53_serving: post-warm-up freeze_gc failed: %s", e)
+                return None
+            time.sleep(0.2)
+        except requests.exceptions.RequestException as e:
+            logger.warning("glm53_serving: post-warm-up freeze_gc failed: %s", e)
+            return None
     logger.info("glm53_serving: froze the start-up heap of every process of this server (internal /freeze_gc)")
     return None
+
+
+FREEZE_WAIT_S = 120.0
 
 
 # --- what a tenant may touch --------------------------------------------------------------

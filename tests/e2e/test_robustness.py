@@ -294,8 +294,10 @@ def _raw_post(url, head: bytes, body_prefix: bytes) -> tuple[float, str, bytes]:
 def test_body_over_the_worker_limit_is_413_before_it_is_read(request, role):
     run, worker = worker_of(request, role)
     limit = 16 * 1024 * 1024  # topology: twice the gateway's 8 MiB
+    auth_line = "".join(f"{k}: {v}\r\n" for k, v in run.worker_headers().items())  # past the tenant guard
     head = (
-        f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {limit + 1}\r\n\r\n"
+        f"POST /generate HTTP/1.1\r\nHost: x\r\n{auth_line}Content-Type: application/json\r\n"
+        f"Content-Length: {limit + 1}\r\n\r\n"
     ).encode()
     elapsed, status_line, raw = _raw_post(worker, head, b"{")
     assert elapsed < REJECT_WITHIN_S and status_line.startswith("HTTP/1.1 413"), status_line[:200]

@@ -32,7 +32,10 @@ def guard(monkeypatch, tmp_path):
             monkeypatch.delenv(env.ASSERTION_KEY_FILE.name, raising=False)
         monkeypatch.setenv(env.TENANTS.name, mode)
         tenant_guard.configure(SimpleNamespace(**{"enable_response_store": False, **server_args}))
+        if tenant_guard.problems():
+            raise ValueError("; ".join(tenant_guard.problems()))
 
+    monkeypatch.setattr(tenant_guard, "_problems", [])
     monkeypatch.setattr(tenant_guard, "_key", None)
     monkeypatch.setattr(tenant_guard, "_tenants_on", True)
     return configure
