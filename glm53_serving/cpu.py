@@ -36,11 +36,3 @@ SERVER_ARGS = (
 # Decode's default retraction backup is a HiCache host pool registered with cudaHostRegister
 # (mem_cache/pool_host/common.py _cuda_host_register); cpu_tensor keeps it in plain host memory.
 DECODE_ARGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
-
-
-def apply_scheduler_attrs(self, *args, **kwargs):
-    """BEFORE Scheduler.__init__: set the scheduler-only ATTR rows of hooks.HOOKS."""
-    from glm53_serving import hooks, plugin
-
-    hooks.apply_attrs(tuple(h for h in plugin.active_rows() if h.process == "scheduler"))
-    return None

@@ -267,17 +267,19 @@ HOOKS: tuple[Hook, ...] = (
         "a scheduler abort with one of our KV codes becomes the contract's 500 body (upstream "
         "sends its own body, or an error inside a 200 stream)",
     ),
-    # --- CPU development stack only (glm53_serving/cpu.py) ----------------------------------
+    # --- scheduler-only ATTR rows, on every platform (plugin.py) ------------------------------
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.__init__",
         Kind.BEFORE,
-        "glm53_serving.cpu:apply_scheduler_attrs",
+        "glm53_serving.plugin:apply_scheduler_attrs",
         ("self", "server_args"),
-        "set the ATTR rows below in scheduler processes only: importing the Mooncake module in "
-        "the HTTP process would import prometheus_client before SGLang sets multiprocess mode",
+        "set the process='scheduler' ATTR rows in scheduler processes only: importing the Mooncake "
+        "module in the HTTP process would import prometheus_client before SGLang sets multiprocess "
+        "mode. On every platform: the owner part's row above is one of them (registered on CPU only, "
+        "a CUDA scheduler's self-check would have refused to start)",
         guard=False,
-        cpu_only=True,
     ),
+    # --- CPU development stack only (glm53_serving/cpu.py) ----------------------------------
     Hook(
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices",
         Kind.ATTR,

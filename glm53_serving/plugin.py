@@ -130,3 +130,9 @@ def status() -> dict:
         "kv_guard_off_by": f"{KV_OFF_ENV}={os.environ.get(KV_OFF_ENV)}" if _kv_off and not _disabled else None,
         "hooks": [h.target for h in _active],
     }
+
+
+def apply_scheduler_attrs(self, *args, **kwargs):
+    """BEFORE Scheduler.__init__: set the scheduler-only ATTR rows of this process's table."""
+    hooks.apply_attrs(tuple(h for h in _active if h.process == "scheduler"))
+    return None
