@@ -1,4 +1,4 @@
-"""What SGLang 0.5.23 needs to run on a CPU-only machine (measured: shared/research/cpu-stack-measured.md).
+"""What SGLang 0.5.23 needs to run on a CPU-only machine (measured; docs/upstream.md).
 
 Applied by the launcher when a topology says `device = "cpu"`, never otherwise. The one
 in-process override (Mooncake's host-index send path) is a row of hooks.HOOKS with cpu_only=True.

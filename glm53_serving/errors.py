@@ -2,7 +2,8 @@
 
 Bodies follow OpenAI's shape so that every OpenAI client library surfaces them:
     {"error": {"message": str, "type": str, "param": str | None, "code": str, ...numbers}}
-The gateway, the worker plugin and the tests all build and read errors through this module.
+The gateway, the worker plugin and the tests all build and read errors through this module;
+docs/errors.md lists the same codes (tests/unit/test_errors.py holds them equal).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class ClientError(ValueError):
     details: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        assert self.code in CONTRACT, self.code
+        if self.code not in CONTRACT:  # a bug of ours, refused even under python -O
+            raise TypeError(f"{self.code!r} is not a code of the error contract (errors.CONTRACT)")
         ValueError.__init__(self, self.message)
 
     def __str__(self) -> str:

@@ -79,3 +79,11 @@ def test_every_flag_that_adds_a_process_a_cache_tier_or_an_allocation_path_was_r
     unreviewed = sorted(n for n in DEFAULTS if REVIEW.search(n) and n not in rows and n not in NO_ROW)
     assert not unreviewed, f"add these to server_flags.FLAGS (covered or refused) or to NO_ROW with why: {unreviewed}"
     assert not {n for n in NO_ROW if n not in DEFAULTS}, "NO_ROW names fields the pinned SGLang does not have"
+
+
+def test_the_architecture_doc_lists_every_row_with_its_verdict():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    listed = dict(re.findall(r"^\| `(--[a-z-]+)` \| [a-z ]+ \| (covered|refused) \|", doc, re.M))
+    assert listed == {f.flag: "covered" if f.covered else "refused" for f in FLAGS}
