@@ -295,6 +295,84 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 
+# SGLang internals we use outside the table: what we call or import, and the attributes we read
+# or set on SGLang's objects. tests/unit/test_hook_drift.py resolves each against the pinned
+# release, so an upstream rename fails a test instead of a request.
+INTERNALS: tuple[str, ...] = (
+    "sglang.srt.disaggregation.utils._is_fake_transfer",  # kv_handoff: no prefill in a fake transfer
+    "sglang.srt.disaggregation.utils.prepare_abort",  # kv_handoff: abort before decoding
+    "sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST",  # intake: the fake host's value
+    "sglang.srt.managers.schedule_batch.FINISH_ABORT",  # kv_owner, kv_handoff: the abort reason
+    "sglang.srt.managers.schedule_batch.alloc_for_extend",  # kv_owner: the binding ScheduleBatch calls
+    "sglang.srt.managers.schedule_batch.alloc_for_decode",
+    "sglang.srt.mem_cache.common.evict_from_tree_cache",  # kv_owner: room for a quarantined row
+    "sglang.srt.mem_cache.index_key_cache._use_aiter_preshuffle",  # kv_zero: the indexer layout
+    "sglang.srt.entrypoints.http_server.app",  # front_door: the app the stack goes on
+    "sglang.srt.entrypoints.http_server.get_global_state",  # request_guard: the tokenizer manager
+    "sglang.srt.entrypoints.http_server.ssl_verify_of",  # tenant_guard: the internal /freeze_gc call
+    "sglang.srt.entrypoints.api_contract.generate_contract_error",  # validation: /generate's contract
+    "sglang.srt.entrypoints.openai.protocol.CompletionRequest",  # validation: the schemas
+    "sglang.srt.entrypoints.openai.protocol.ChatCompletionRequest",
+    "sglang.srt.managers.io_struct.GenerateReqInput",
+    "sglang.srt.sampling.sampling_params.SamplingParams",  # validation: SGLang's own verify
+    "sglang.srt.configs.model_config.is_multimodal_model",  # validation: text-only models
+    "sglang.srt.runtime_context.get_disagg",  # env.role, startup
+    "sglang.srt.runtime_context.get_serving",  # startup
+    "sglang.srt.runtime_context.get_server_args",  # startup: server_flags
+    "sglang.srt.utils.is_cpu",  # plugin: cpu_only rows
+)
+# class -> attributes of its instances we read or set (ours are prefixed _glm53_ and must not exist upstream)
+INTERNAL_ATTRS: dict[str, tuple[str, ...]] = {
+    "sglang.srt.managers.schedule_batch.Req": (
+        "origin_input_ids",
+        "cache_salt",
+        "extra_key",
+        "rid",
+        "finished_reason",
+        "to_finish",
+        "skip_radix_cache_insert",
+        "kv",
+        "bootstrap_room",
+        "disagg_kv_sender",
+        "metadata_buffer_index",
+    ),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch": (
+        "reqs",
+        "extend_lens",
+        "prefix_lens",
+        "seq_lens",
+        "seq_lens_cpu",
+        "req_pool_indices",
+        "req_to_token_pool",
+        "tree_cache",
+    ),
+    "sglang.srt.disaggregation.decode.DecodeRequest": ("req", "metadata_buffer_index", "is_rebootstrap"),
+    "sglang.srt.disaggregation.decode.DecodePreallocQueue": ("token_to_kv_pool_allocator", "scheduler"),
+    "sglang.srt.disaggregation.decode.DecodeTransferQueue": ("metadata_buffers",),
+    "sglang.srt.disaggregation.utils.MetadataBuffers": ("cached_tokens",),
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool": ("k_buffer", "v_buffer", "page_size", "size"),
+    "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool": ("kv_buffer",),
+    "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool": (
+        "kv_buffer",
+        "index_key_cache",
+        "index_head_dim",
+        "quant_block_size",
+        "index_kpool",
+        "index_page_size",
+    ),
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator": ("size", "page_size", "device", "get_kvcache"),
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager": ("conclude_failure",),
+    "sglang.srt.managers.scheduler.Scheduler": (
+        "token_to_kv_pool_allocator",
+        "max_total_num_tokens",
+        "page_size",
+        "model_config",
+        "enable_hisparse",
+    ),
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager": ("model_config", "tokenizer", "sampling_params_class"),
+}
+
+
 def active_hooks(*, cpu: bool, guards: bool, parts_off: frozenset[str] = frozenset()) -> tuple[Hook, ...]:
     """The rows that apply to a process on this platform with guards on or off and the KV guard
     parts in `parts_off` switched off."""

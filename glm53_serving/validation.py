@@ -38,7 +38,6 @@ from glm53_serving.errors import ClientError
 
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 GENERATION = (GENERATE, COMPLETIONS, CHAT)
-OPENAI = (COMPLETIONS, CHAT)
 
 MAX_N = 128  # OpenAI's bound on `n`; each sample is a full generation
 # PD: SGLang sends every sample of a request under one bootstrap room; all but one never

@@ -49,3 +49,26 @@ def test_verify_applied_reports_unresolvable_target():
     )
     (line,) = hooks.verify_applied((bogus,))
     assert "cannot resolve" in line
+
+
+@pytest.mark.parametrize("name", hooks.INTERNALS)
+def test_every_internal_we_use_outside_the_table_resolves(name):
+    import pkgutil
+
+    pkgutil.resolve_name(name.rsplit(".", 1)[0] + ":" + name.rsplit(".", 1)[1])
+
+
+@pytest.mark.parametrize("cls_name", sorted(hooks.INTERNAL_ATTRS))
+def test_every_attribute_we_touch_on_sglang_objects_exists_and_ours_do_not_collide(cls_name):
+    import pkgutil
+    import re
+
+    cls = pkgutil.resolve_name(cls_name)
+    source = "".join(inspect.getsource(k) for k in cls.__mro__ if k.__module__.startswith("sglang"))
+    missing = [
+        a
+        for a in hooks.INTERNAL_ATTRS[cls_name]
+        if not hasattr(cls, a) and not re.search(rf"self\.{a}\b|^\s+{a}\s*:", source, re.M)
+    ]
+    assert not missing, f"{cls_name} no longer has {missing}"
+    assert "_glm53" not in source  # the attributes we stamp cannot shadow upstream ones
