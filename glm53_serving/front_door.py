@@ -32,7 +32,7 @@ from typing import Any
 
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
-from glm53_serving import http_guard, rejection, request_guard, tenant_guard
+from glm53_serving import http_guard, rejection, request_guard, server_flags, tenant_guard
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +87,14 @@ def problems(app=None) -> list[str]:
 
 
 def install_hook(*args, **kwargs):
-    """BEFORE http_server.launch_server(server_args)."""
+    """BEFORE http_server.launch_server(server_args): refuse uncovered flags before anything starts
+    (HiCache crashes on CPU before any scheduler could refuse, and on a GPU weights would load
+    first), then install the stack."""
     from sglang.srt.entrypoints.http_server import app
 
-    install(app, kwargs.get("server_args", args[0] if args else None))
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    server_flags.refuse(server_args, "http/tokenizer")
+    install(app, server_args)
     return None
 
 

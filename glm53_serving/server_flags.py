@@ -20,9 +20,12 @@ tests/unit/test_server_flags.py walks the table and holds it against the pinned 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+logger = logging.getLogger("glm53_serving")
 
 
 def _on(value: Any) -> bool:
@@ -125,6 +128,20 @@ FLAGS: tuple[Flag, ...] = (
         "mixed batches allocate through alloc_for_extend (tagged, checked)",
     ),
 )
+
+
+class Refused(RuntimeError):
+    pass
+
+
+def refuse(server_args, where: str) -> None:
+    """Raise (the server exits) when `server_args` sets a flag the guards do not cover. Called by
+    the HTTP process before it starts anything: some of these crash or load weights first."""
+    found = problems(server_args)
+    if found:
+        msg = f"glm53_serving: refusing to start ({where}): " + "; ".join(found)
+        logger.error(msg)
+        raise Refused(msg)
 
 
 def problems(server_args) -> list[str]:

@@ -49,7 +49,7 @@ def generated_tokens(url):
     return metric(url, "sglang:generation_tokens_histogram_sum")
 
 
-def assert_contract_400(r, prompt_at_least=P):
+def assert_contract_400(r, prompt_at_least=P, limits=(P, T)):
     assert r.status_code == 400, r.text[:500]
     assert r.headers["content-type"].startswith("application/json"), r.headers
     err = r.json()["error"]
@@ -58,7 +58,7 @@ def assert_contract_400(r, prompt_at_least=P):
         err["prompt_tokens"] >= prompt_at_least
         or err["prompt_tokens"] + (err["max_new_tokens"] or 0) > err["max_total_tokens"]
     )
-    assert err["max_input_tokens"] == P and err["max_total_tokens"] == T
+    assert (err["max_input_tokens"], err["max_total_tokens"]) == limits
     return err
 
 
@@ -164,7 +164,7 @@ def test_prompt_plus_max_tokens_at_the_budget_is_served_in_full(single):
     assert r.json()["meta_info"]["completion_tokens"] == T - 10  # not clipped
 
 
-def served_exactly(url, prompt, total):
+def served_exactly(url, prompt, total, limits=(P, T)):
     """`/v1/models`' numbers are what is served: the largest prompt with the rest of the budget as
     output, the smallest prompt with the whole budget, both generated in full (200); one token more
     of either is the contract 400 naming the field."""
@@ -184,9 +184,9 @@ def served_exactly(url, prompt, total):
         r = generate(n_prompt, total - n_prompt)
         assert r.status_code == 200, r.text[:500]
         assert r.json()["meta_info"]["completion_tokens"] == total - n_prompt
-        err = assert_contract_400(generate(n_prompt, total - n_prompt + 1), prompt_at_least=0)
+        err = assert_contract_400(generate(n_prompt, total - n_prompt + 1), prompt_at_least=0, limits=limits)
         assert err["param"] == "max_tokens"
-    err = assert_contract_400(generate(prompt + 1, 1), prompt_at_least=prompt + 1)
+    err = assert_contract_400(generate(prompt + 1, 1), prompt_at_least=prompt + 1, limits=limits)
     assert err["param"] == "input_ids"
 
 
@@ -227,7 +227,9 @@ def test_asymmetric_pools_reject_at_once_and_serve_below(tmp_path, prefill_kv, d
         (m,) = httpx.get(f"{run.url}/v1/models", timeout=30, headers=auth(run.url)).json()["data"]
         assert (m["max_input_tokens"], m["max_model_len"]) == (limits.max_prompt_tokens, limits.max_model_len)
         assert m["max_model_len"] < 256
-        served_exactly(run.url, m["max_input_tokens"], m["max_model_len"])
+        served_exactly(
+            run.url, m["max_input_tokens"], m["max_model_len"], (limits.max_input_tokens, limits.max_total_tokens)
+        )
         # A prompt the bigger role alone would take, the smaller one not: upstream hangs here until the
         # client gives up (30 s). Ours answers in 0.005-0.09 s on an idle machine; the bound leaves
         # room for a loaded CI machine (1.2 s seen once) and still fails on a hang.

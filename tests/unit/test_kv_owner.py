@@ -1,12 +1,15 @@
 """Owner tags and the read check, on the real SGLang allocators and pools (CPU), by stateful property test.
 
-The hook functions are exactly what HookRegistry wraps around SGLang in a server (the e2e tests
-prove the wiring); here they wrap the real allocators by hand so that random multi-owner
-alloc/extend/decode/prefix-share/evict/free sequences run many times. Requests are modelled
-the way the scheduler drives the allocators: a row in a req_to_token table, a prefix shared
-through a cache that keys on the namespace (as the radix key does), extension and decode slots
-from `alloc`/`alloc_extend`/`alloc_decode`."""
+The allocators' methods run with the plugin's "zero" and "owner" rows applied by SGLang's own
+HookRegistry, as in a server (tests/unit/real_hooks.py): random multi-owner
+alloc/extend/decode/prefix-share/evict/free sequences drive the real `alloc`, `alloc_extend`,
+`alloc_decode`, `free`, `free_page_ids` and free groups. Requests are modelled the way the
+scheduler drives the allocators: a row in a req_to_token table, a prefix shared through a cache
+that keys on the namespace (as the radix key does). The batch-level checks run on real `Req`
+objects and a real `ReqToTokenPool` inside a minimal stand-in for ScheduleBatch (which needs a
+whole scheduler to build)."""
 
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -14,11 +17,16 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 from glm53_serving import kv_owner, kv_zero
+from tests.unit import real_hooks
+
+kv_hooks = pytest.fixture(autouse=True)(real_hooks.fixture(("zero", "owner")))
 
 SIZE, LAYERS, ROWS, MAXLEN = 64, 2, 12, 48
 OWNERS = [
@@ -41,27 +49,47 @@ def make(page_size, mla=False):
     return pool, alloc
 
 
-def guarded(alloc, result):
-    """What the AFTER hooks do to an allocation: zero it (kv_guard)."""
-    return kv_zero.zero_after_alloc(result, alloc)
+FREES = ("free", "free_page_ids", "group")
 
 
-def free(alloc, slots):
-    """The allocator's free with the owner-reset hooks applied (as HookRegistry wraps it)."""
-    if isinstance(alloc, PagedTokenToKVPoolAllocator):
-        pages = torch.unique(slots // alloc.page_size)
-        alloc._release_page_ids(pages)
-        kv_owner.reset_after_release(None, alloc, pages)
-    else:
+def free(alloc, slots, how="free"):
+    """Give `slots` back through one of the allocator's real free paths (hooks applied)."""
+    if how == "free":
         alloc.free(slots)
-        kv_owner.reset_after_free(None, alloc, slots)
+    elif how == "free_page_ids":
+        alloc.free_page_ids(torch.unique(slots // alloc.page_size))
+    else:  # a free group, as the scheduler frees a batch's finished requests
+        alloc.free_group_begin()
+        half = slots.numel() // 2
+        alloc.free(slots[:half])
+        alloc.free(slots[half:])
+        alloc.free_group_end()
 
 
 def test_namespace_ids_are_stable_nonzero_and_distinct():
     assert kv_owner.namespace_id(None, None) == kv_owner.DEFAULT_NAMESPACE == 1
     assert len(set(OWNERS)) == len(OWNERS) and all(0 < o < 2**63 for o in OWNERS)
-    assert kv_owner.namespace_id("tenant-a", None) == OWNERS[1]  # stable across calls and processes
+    assert kv_owner.namespace_id("tenant-a", None) == OWNERS[1]  # stable across calls
     assert kv_owner.namespace_id("a", "b") != kv_owner.namespace_id("b", "a")
+
+
+def test_namespace_ids_are_stable_across_processes():
+    """Prefill and decode are different processes: one namespace must be one owner id in both."""
+    import subprocess
+    import sys
+
+    code = "from glm53_serving import kv_owner; print(kv_owner.namespace_id('tenant-a', None), kv_owner.namespace_id(None, 'lora-x'))"
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin"},
+        ).stdout
+        for seed in ("0", "1", "random")
+    }
+    assert runs == {f"{OWNERS[1]} {OWNERS[3]}\n"}
 
 
 class OwnerTags(RuleBasedStateMachine):
@@ -121,7 +149,6 @@ class OwnerTags(RuleBasedStateMachine):
             )
         if new is None:
             return
-        new = guarded(self.alloc, new)
         self._fresh_reads_zero(new)
         self._claim(new, owner)
         row = self.free_rows.pop()
@@ -147,7 +174,6 @@ class OwnerTags(RuleBasedStateMachine):
             new = self.alloc.alloc_decode(torch.tensor([r["len"] + 1]), torch.tensor([r["len"] + 1]), last)
         if new is None:
             return
-        new = guarded(self.alloc, new)
         self._claim(new, r["owner"])
         self.r2t[row, r["len"]] = int(new[0])
         r["len"] += 1
@@ -155,8 +181,8 @@ class OwnerTags(RuleBasedStateMachine):
         self._write(new, r["owner"])
 
     @precondition(lambda self: self.live)
-    @rule(pick=st.integers(0, 100), keep=st.booleans())
-    def finish(self, pick, keep):
+    @rule(pick=st.integers(0, 100), keep=st.booleans(), how=st.sampled_from(FREES))
+    def finish(self, pick, keep, how):
         """Release a request; with `keep`, its whole pages become a cached prefix (the radix insert)."""
         row = sorted(self.live)[pick % len(self.live)]
         r = self.live.pop(row)
@@ -170,16 +196,16 @@ class OwnerTags(RuleBasedStateMachine):
                 self.cache.append({"owner": r["owner"], "slots": slots[:whole].clone(), "users": 0})
                 own = slots[whole:]
         if own.numel():
-            free(self.alloc, own)
+            free(self.alloc, own, how)
         self.free_rows.append(row)
 
     @precondition(lambda self: any(c["users"] == 0 for c in self.cache))
-    @rule(pick=st.integers(0, 100))
-    def evict(self, pick):
+    @rule(pick=st.integers(0, 100), how=st.sampled_from(FREES))
+    def evict(self, pick, how):
         idle = [c for c in self.cache if c["users"] == 0]
         c = idle[pick % len(idle)]
         self.cache = [x for x in self.cache if x is not c]
-        free(self.alloc, c["slots"])
+        free(self.alloc, c["slots"], how)
 
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 100), pos=st.integers(0, MAXLEN - 1), other=st.integers(0, SIZE))
@@ -246,11 +272,10 @@ TestOwnerTagsMLA.settings = _settings
 
 
 def _batch(alloc, reqs, rows, lens):
-    r2t = torch.zeros(ROWS, MAXLEN, dtype=torch.int32)
     tree = SimpleNamespace(token_to_kv_pool_allocator=alloc, supports_prefix_sharing=lambda: False)
     return SimpleNamespace(
         tree_cache=tree,
-        req_to_token_pool=SimpleNamespace(req_to_token=r2t),
+        req_to_token_pool=ReqToTokenPool(ROWS - 1, MAXLEN, "cpu", False),
         reqs=reqs,
         req_pool_indices=torch.tensor(rows),
         seq_lens=torch.tensor(lens),
@@ -259,14 +284,9 @@ def _batch(alloc, reqs, rows, lens):
 
 
 def _req(rid, salt, protected=0):
-    return SimpleNamespace(
-        rid=rid,
-        cache_salt=salt,
-        extra_key=None,
-        to_finish=None,
-        skip_radix_cache_insert=False,
-        kv=SimpleNamespace(cache_protected_len=protected),
-    )
+    req = Req(rid, "", array("q", [5] * 8), SamplingParams(), cache_salt=salt)
+    req.kv.cache_protected_len = protected
+    return req
 
 
 def _check(batch, new=None):
@@ -290,7 +310,7 @@ def test_a_violation_aborts_only_that_request_and_its_forward_reads_zeros(page_s
     pool, alloc = make(page_size)
     a, b = _req("a", "tenant-a"), _req("victim-b", "tenant-b")
     batch = _batch(alloc, [a, b], [1, 2], [8, 8])
-    sa, sb = guarded(alloc, alloc.alloc(8)), guarded(alloc, alloc.alloc(8))
+    sa, sb = alloc.alloc(8), alloc.alloc(8)
     for req, slots, row in ((a, sa, 1), (b, sb, 2)):
         kv_owner.claim(alloc, slots, torch.full((8,), kv_owner.owner_of(req)))
         batch.req_to_token_pool.req_to_token[row, :8] = slots.to(torch.int32)
@@ -330,9 +350,9 @@ def test_a_foreign_index_over_a_just_allocated_position_is_undone_without_leakin
     pool, alloc = make(page_size)
     a, b = _req("a", "tenant-a"), _req("b", "tenant-b")
     batch = _batch(alloc, [b], [2], [8])
-    sa = guarded(alloc, alloc.alloc(8))
+    sa = alloc.alloc(8)
     kv_owner.claim(alloc, sa, torch.full((8,), kv_owner.owner_of(a)))
-    sb = guarded(alloc, alloc.alloc(8))
+    sb = alloc.alloc(8)
     kv_owner.claim(alloc, sb, torch.full((8,), kv_owner.owner_of(b)))
     batch.req_to_token_pool.req_to_token[2, :8] = sb.to(torch.int32)
     batch.req_to_token_pool.req_to_token[2, 0] = int(sa[5])
@@ -347,9 +367,9 @@ def test_a_foreign_page_in_the_protected_prefix_reads_the_padding_page_and_is_no
     pool, alloc = make(4)
     a, b = _req("a", "tenant-a"), _req("b", "tenant-b", protected=4)
     batch = _batch(alloc, [b], [2], [8])
-    sa = guarded(alloc, alloc.alloc(4))
+    sa = alloc.alloc(4)
     kv_owner.claim(alloc, sa, torch.full((4,), kv_owner.owner_of(a)))
-    sb = guarded(alloc, alloc.alloc(4))
+    sb = alloc.alloc(4)
     kv_owner.claim(alloc, sb, torch.full((4,), kv_owner.owner_of(b)))
     batch.req_to_token_pool.req_to_token[2, :8] = torch.cat([sa, sb]).to(torch.int32)  # a "shared" foreign prefix
     free_before = alloc.available_size()
@@ -363,14 +383,14 @@ def test_extend_and_decode_hooks_tag_new_slots_for_each_request():
     a, b = _req("a", "tenant-a"), _req("b", None)
     batch = _batch(alloc, [a, b], [1, 2], [3, 5])
     batch.extend_lens, batch.prefix_lens = [3, 5], [0, 0]
-    out = guarded(alloc, alloc.alloc(8))
+    out = alloc.alloc(8)
     batch.req_to_token_pool.req_to_token[1, :3] = out[:3].to(torch.int32)
     batch.req_to_token_pool.req_to_token[2, :5] = out[3:].to(torch.int32)
     kv_owner.tag_and_check_extend((out, batch.req_pool_indices, batch.req_pool_indices), batch)
     tags = kv_owner.tags_of(alloc)
     assert tags[out[:3]].tolist() == [kv_owner.owner_of(a)] * 3 and tags[out[3:]].tolist() == [1] * 5
     assert a.to_finish is None and b.to_finish is None
-    new = guarded(alloc, alloc.alloc(2))
+    new = alloc.alloc(2)
     batch.req_to_token_pool.req_to_token[1, 3] = int(new[0])
     batch.req_to_token_pool.req_to_token[2, 5] = int(new[1])
     kv_owner.tag_and_check_decode(new, batch, token_per_req=1)

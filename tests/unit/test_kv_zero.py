@@ -1,8 +1,9 @@
 """Zero before reuse, on the real SGLang allocators and pools (CPU), by stateful property test.
 
-The hook function is exactly what HookRegistry wraps around the allocation methods in a server
-(tests/e2e/test_kv_zero.py proves the wiring); here it wraps them by hand so that random
-alloc/write/free sequences can run thousands of times."""
+The state machines drive SGLang's real allocator methods (alloc, alloc_extend, free) with the
+plugin's "zero" rows applied by SGLang's own HookRegistry, as in a server (tests/unit/real_hooks.py;
+tests/e2e/test_kv_guard.py proves the wiring in a server), so random alloc/write/free sequences
+run thousands of times through exactly what a server runs."""
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool
 
 from glm53_serving import kv_zero
+from tests.unit import real_hooks
+
+zero_hooks = pytest.fixture(real_hooks.fixture(("zero",)))
 
 SIZE, LAYERS = 64, 3
 DSA_PAGE = 64  # the only page size DSA takes
@@ -70,7 +74,7 @@ class ZeroBeforeReuse(RuleBasedStateMachine):
     def allocate_and_write(self, n):
         n = (n % 3 + 1) * self.page_size if self.dsa else n  # DSA: 1-3 of its 4 pages of 64 slots
         need = -(-n // self.page_size) * self.page_size
-        slots = kv_zero.zero_after_alloc(self.alloc.alloc(need), self.alloc, need)
+        slots = self.alloc.alloc(need)  # zeroed by the applied hook, as in a server
         if slots is None:
             return
         self._check_fresh(slots)
@@ -99,12 +103,15 @@ class ZeroBeforeReuseDSA(ZeroBeforeReuse):
     page_size, dsa = DSA_PAGE, True
 
 
-TestZeroBeforeReuse = ZeroBeforeReuse.TestCase
-TestZeroBeforeReuse.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-TestZeroBeforeReusePaged = ZeroBeforeReusePaged.TestCase
-TestZeroBeforeReusePaged.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-TestZeroBeforeReuseDSA = ZeroBeforeReuseDSA.TestCase
-TestZeroBeforeReuseDSA.settings = settings(max_examples=60, stateful_step_count=20, deadline=None)
+def _case(machine, **kw):
+    case = pytest.mark.usefixtures("zero_hooks")(machine.TestCase)
+    case.settings = settings(deadline=None, **kw)
+    return case
+
+
+TestZeroBeforeReuse = _case(ZeroBeforeReuse, max_examples=150, stateful_step_count=40)
+TestZeroBeforeReusePaged = _case(ZeroBeforeReusePaged, max_examples=150, stateful_step_count=40)
+TestZeroBeforeReuseDSA = _case(ZeroBeforeReuseDSA, max_examples=60, stateful_step_count=20)
 
 
 def test_without_the_guard_a_reused_slot_holds_the_previous_owners_kv():
