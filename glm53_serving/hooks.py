@@ -46,14 +46,19 @@ class Hook:
     part: str | None = None
 
     def __post_init__(self):
-        assert self.target.startswith("sglang."), self.target
-        assert (self.kind is Kind.ATTR) == (self.impl is None), self
-        assert self.why, self
-        assert self.process in ("any", "scheduler"), self
-        assert self.part in (None, *KV_PARTS), self
+        # The table is ours, built at import: a malformed row is refused even under python -O.
+        if not (
+            self.target.startswith("sglang.")
+            and (self.kind is Kind.ATTR) == (self.impl is None)
+            and self.why
+            and self.process in ("any", "scheduler")
+            and self.part in (None, *KV_PARTS)
+        ):
+            raise ValueError(f"malformed hook row: {self}")
 
     def resolve_impl(self) -> Callable:
-        assert self.impl is not None
+        if self.impl is None:
+            raise TypeError(f"{self.target} is an ATTR row: it has no implementation")
         return pkgutil.resolve_name(self.impl)
 
 

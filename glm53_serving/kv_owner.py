@@ -366,7 +366,10 @@ def allocator_problems(allocator) -> list[str]:
             problems.append(f"ScheduleBatch calls an unhooked {name}: KV owner tags would not be set")
     try:
         tags = tags_of(allocator)
-        assert tags.dtype == torch.int64 and tags.numel() == allocator.size // allocator.page_size + 1
+        if tags.dtype != torch.int64 or tags.numel() != allocator.size // allocator.page_size + 1:
+            raise ValueError(
+                f"tags {tuple(tags.shape)} {tags.dtype} for {allocator.size} slots of page {allocator.page_size}"
+            )
     except Exception as e:  # noqa: BLE001 - any failure means no tags
         problems.append(f"cannot keep KV owner tags for {type(allocator).__name__}: {type(e).__name__}: {e}")
     return problems

@@ -46,7 +46,8 @@ def layer_buffers(pool) -> list[torch.Tensor]:
     for name in names:
         b = getattr(pool, name)
         bufs.extend(b if isinstance(b, (list, tuple)) else [b])
-    assert bufs and all(isinstance(b, torch.Tensor) for b in bufs), type(pool).__name__
+    if not bufs or not all(isinstance(b, torch.Tensor) for b in bufs):
+        raise TypeError(f"kv_guard found no KV tensors in a {type(pool).__name__}")
     return bufs
 
 

@@ -53,7 +53,8 @@ def kv_parts_off() -> frozenset[str]:
 
 
 def kv_part_on(part: str) -> bool:
-    assert part in hooks.KV_PARTS, part
+    if part not in hooks.KV_PARTS:
+        raise ValueError(f"no KV guard part {part!r}")
     return _registered and not _disabled and part not in _kv_off
 
 

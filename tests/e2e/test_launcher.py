@@ -47,7 +47,9 @@ def test_child_dying_at_startup_fails_with_its_log_tail(tmp_path):
     [
         "sglang.srt.managers.scheduler.Scheduler.get_init_info",  # the HTTP process refuses
         "sglang.srt.entrypoints.engine._wait_for_scheduler_ready",  # the scheduler refuses
-        "sglang.srt.entrypoints.http_server._setup_and_run_http_server",  # request validation: the HTTP process refuses
+        "sglang.srt.entrypoints.http_server._setup_and_run_http_server",  # the validator's warm-up: the HTTP process refuses
+        "sglang.srt.entrypoints.http_server.launch_server",  # the front door: the HTTP process refuses
+        "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc",  # zeroing: the scheduler refuses
     ],
 )
 def test_missing_hook_stops_the_server_from_starting(tmp_path, target):

@@ -40,7 +40,9 @@ def test_entry_point_registers_and_every_hook_applies():
     assert set(res["status"]["hooks"]) == {h.target for h in HOOKS}  # CPU: cpu_only rows included
 
 
-def test_a_hook_that_fails_to_apply_is_reported():
+def test_a_hook_that_fails_to_apply_is_listed_among_the_problems_the_handshake_refuses_on():
+    """That a real server then refuses to start: tests/e2e/test_launcher.py
+    (test_missing_hook_stops_the_server_from_starting), per hook-installing target."""
     target = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
     res, _ = run_probe(PYTHONPATH=SABOTAGE, GLM53_TEST_BREAK_HOOK=target)
     assert any(target in p and "not applied" in p for p in res["problems"]), res
