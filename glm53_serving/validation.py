@@ -283,6 +283,10 @@ def check_bounds(endpoint: str, body: dict, *, text_only: bool, max_n: int = MAX
     if endpoint == GENERATE:
         _check_generate_bounds(body, text_only, max_n)
         return
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        # OpenAI's API requires it, and sglang-router refuses a request without it (a text/plain
+        # 422 the gateway could only pass on), while SGLang's own schema defaults it.
+        raise invalid("model is required: the served model's name (GET /v1/models).", "model")
     for name in _integer_fields(endpoint):
         _integer(body, name)
     _range(body, "n", 1, max_n)
@@ -509,8 +513,8 @@ class RequestChecks:
         first requests after start took 2 to 7 s on a busy 2-core machine (measured)."""
         for endpoint, body in (
             (GENERATE, {"text": "x", "sampling_params": {"max_new_tokens": 1, "stop": ["y"]}}),
-            (COMPLETIONS, {"prompt": "x", "max_tokens": 1}),
-            (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+            (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 1}),
+            (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
         ):
             self.check(endpoint, body)
         return self

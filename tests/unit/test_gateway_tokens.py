@@ -105,7 +105,7 @@ def test_an_expanding_normalizer_breaks_the_bound_which_is_why_it_is_refused():
 
 
 def _completion(prompt: str) -> bytes:
-    return orjson.dumps({"prompt": prompt, "max_tokens": 4})
+    return orjson.dumps({"model": "glm53-tiny", "prompt": prompt, "max_tokens": 4})
 
 
 def test_a_prompt_over_the_limit_in_bytes_but_not_in_tokens_is_admitted(gw):

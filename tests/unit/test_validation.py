@@ -17,8 +17,15 @@ VERIFY = v.sglang_verify(AutoTokenizer.from_pretrained(tiny.ensure()))
 MSG = [{"role": "user", "content": "hi"}]
 
 
+def with_model(endpoint, body):
+    """OpenAI bodies name the model (a test of another field leaves it as a client sends it)."""
+    if endpoint != v.GENERATE and isinstance(body, dict) and "model" not in body:
+        return {"model": "m", **body}
+    return body
+
+
 def check(endpoint, body, text_only=True):
-    v.check_request(endpoint, body, vocab_size=VOCAB, text_only=text_only, verify=VERIFY)
+    v.check_request(endpoint, with_model(endpoint, body), vocab_size=VOCAB, text_only=text_only, verify=VERIFY)
 
 
 def rejected(endpoint, body, **kw) -> ClientError:
@@ -270,7 +277,9 @@ def test_openai_bounds_the_router_enforces_are_enforced_everywhere(endpoint, bod
 def test_pd_takes_one_sample_per_request(endpoint, body, param):
     check(endpoint, body)  # fine on a single server
     with pytest.raises(ClientError) as e:
-        v.check_request(endpoint, body, vocab_size=VOCAB, text_only=True, verify=VERIFY, max_n=v.MAX_N_PD)
+        v.check_request(
+            endpoint, with_model(endpoint, body), vocab_size=VOCAB, text_only=True, verify=VERIFY, max_n=v.MAX_N_PD
+        )
     assert e.value.param == param
 
 
@@ -380,7 +389,9 @@ def test_integer_bounds_hold_for_every_json_number_form(endpoint, base, name, in
     assert rejected(endpoint, {**base, name: True}).param == name
 
 
-@pytest.mark.parametrize("endpoint,base", [(v.COMPLETIONS, {"prompt": "hi"}), (v.CHAT, {"messages": MSG})])
+@pytest.mark.parametrize(
+    "endpoint,base", [(v.COMPLETIONS, {"model": "m", "prompt": "hi"}), (v.CHAT, {"model": "m", "messages": MSG})]
+)
 def test_a_pd_worker_refuses_n_above_one_in_any_form(endpoint, base):
     for value in (2, 2.0, 1e300, True):
         with pytest.raises(ClientError) as e:
@@ -400,3 +411,13 @@ def test_generate_takes_integers_as_integers():
     for value in (2.0, True, 1e300):
         assert rejected(v.GENERATE, {"text": "hi", "sampling_params": {"n": value}}).param == "sampling_params.n"
         assert rejected(v.GENERATE, {"text": "hi", "top_logprobs_num": value}).param == "top_logprobs_num"
+
+
+@pytest.mark.parametrize("endpoint,base", [(v.COMPLETIONS, {"prompt": "hi"}), (v.CHAT, {"messages": MSG})])
+def test_openai_requests_name_the_model(endpoint, base):
+    """The router refuses a request without `model` (422, text/plain) that SGLang's schema accepts:
+    every layer refuses it the same way instead."""
+    for body in (base, {**base, "model": ""}, {**base, "model": 7}):
+        with pytest.raises(ClientError) as e:
+            v.check_request(endpoint, body, vocab_size=VOCAB, text_only=True, verify=VERIFY)
+        assert e.value.param == "model"
