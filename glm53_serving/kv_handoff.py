@@ -51,9 +51,12 @@ def check_prompt_length(result, self, decode_req, *args, **kwargs):
     idx = decode_req.metadata_buffer_index
     carried = int(self.metadata_buffers.cached_tokens[idx][LENGTH_SLOT])
     self.metadata_buffers.cached_tokens[idx][LENGTH_SLOT] = 0
-    if isinstance(req.finished_reason, FINISH_ABORT) or _is_fake_transfer(req) or decode_req.is_rebootstrap:
-        # Already aborted; or no prefill involved at all (upstream's fake-transfer debug path);
-        # or a retraction re-bootstrap, whose length rule differs.
+    if isinstance(req.finished_reason, FINISH_ABORT) or _is_fake_transfer(req):
+        # Already aborted; or no prefill involved at all: the server's own health probe (intake
+        # refuses the fake bootstrap host from clients, server_flags the fake transfer backend).
+        # A retraction re-bootstrap is checked like any transfer: prefill recomputes
+        # origin + output tokens (Req.build_rebootstrap_payload) and decode pre-allocated exactly
+        # that (DecodePreallocQueue._pre_alloc_fill_len).
         return result
     expected = expected_length(req)
     if carried != expected:

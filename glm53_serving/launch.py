@@ -18,9 +18,11 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +60,9 @@ class Child:
     log: Path
     proc: subprocess.Popen | None = None
     ready: bool = False
+    # sglang-router colours its console log whatever the terminal (NO_COLOR is ignored): its log
+    # goes through the launcher, which writes it as plain text for whoever reads it with less/grep.
+    plain_log: bool = False
     note: str = "starting"
 
     def tail(self, n: int = LOG_TAIL_LINES) -> str:
@@ -75,6 +80,16 @@ def _die_with_parent() -> None:
         pass
 
 
+ANSI_ESCAPE = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _copy_plain(pipe, path: Path) -> None:
+    with pipe, path.open("ab") as log:
+        for line in pipe:
+            log.write(ANSI_ESCAPE.sub(b"", line))
+            log.flush()
+
+
 @dataclass(slots=True)
 class Supervisor:
     run_dir: Path
@@ -88,11 +103,13 @@ class Supervisor:
                 child.argv,
                 env={**os.environ, **child.env},
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=subprocess.PIPE if child.plain_log else log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
+        if child.plain_log:
+            threading.Thread(target=_copy_plain, args=(child.proc.stdout, child.log), daemon=True).start()
         self.children.append(child)
         say(f"started {child.name} (pid {child.proc.pid}), log {child.log}")
         return child
@@ -121,10 +138,13 @@ class Supervisor:
         # Collect descendants first: once a parent exits, its children are reparented and no
         # longer findable through it.
         owned = [psutil.Process(p) for p in self.pids() if psutil.pid_exists(p)]
+        # SIGTERM to each child's own process, not its group: an SGLang server then stops its
+        # scheduler and detokenizer itself. Signalled directly, a scheduler dies first and the server's
+        # watchdog logs "scheduler_0 crashed with exit code -15" for a normal Ctrl-C.
         for c in reversed(self.children):  # front door first, then the router, then the servers
             if c.proc is not None and c.proc.poll() is None:
                 try:
-                    os.killpg(c.proc.pid, signal.SIGTERM)
+                    c.proc.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         _, alive = psutil.wait_procs(owned, timeout=grace_s)
@@ -355,6 +375,7 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
             ),
             base=shared,
         )
+        router.plain_log = True
         upstream = router.url
     gateway = child(
         "gateway",

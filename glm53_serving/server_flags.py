@@ -122,6 +122,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("enable_kv_cache_sharding", "allocation path", False, "sharded KV pools: not reviewed"),
     Flag("enable_dsa_cache_layer_split", "allocation path", False, "DSA pools split by layer: not reviewed"),
     Flag(
+        "disaggregation_transfer_backend",
+        "allocation path",
+        False,
+        "the fake backend transfers nothing: decode would decode over pre-allocated pages no prefill wrote",
+        lambda v: v == "fake",
+    ),
+    Flag(
         "enable_mixed_chunk",
         "allocation path",
         True,

@@ -27,6 +27,16 @@ PRESETS = ("glm53-tiny",)
 SGLANG_DEFAULT_DECODE_RESERVE = 512  # --num-reserved-decode-tokens default in sglang 0.5.23
 
 
+class TopologyError(ValueError):
+    """A topology file that cannot be deployed as written (the message names the key and the way out)."""
+
+
+def _require(ok: bool, message: str) -> None:
+    # Not `assert`: these checks keep operator rights and limits sound and must hold under python -O.
+    if not ok:
+        raise TopologyError(message)
+
+
 @dataclass(slots=True)
 class ModelConf:
     preset: str | None = None  # an embedded model generated locally ("glm53-tiny")
@@ -36,9 +46,12 @@ class ModelConf:
     dtype: str | None = None
 
     def __post_init__(self):
-        assert (self.preset is None) != (self.path is None), "model: set exactly one of preset, path"
-        assert self.preset is None or self.preset in PRESETS, f"model.preset must be one of {PRESETS}"
-        assert self.context_length is None or self.context_length > 0
+        _require((self.preset is None) != (self.path is None), "model: set exactly one of preset, path")
+        _require(self.preset is None or self.preset in PRESETS, f"model.preset must be one of {PRESETS}")
+        _require(
+            self.context_length is None or self.context_length > 0,
+            f"model.context_length must be positive, not {self.context_length}",
+        )
 
 
 @dataclass(slots=True)
@@ -51,14 +64,18 @@ class RoleConf:
     args: list[str] = field(default_factory=list)  # extra SGLang flags for this role, verbatim
 
     def __post_init__(self):
-        assert self.count >= 1, "a role needs at least one server"
+        _require(self.count >= 1, "a role needs at least one server")
         for name in ("kv_tokens", "page_size"):
             v = getattr(self, name)
-            assert v is None or v > 0, f"{name} must be positive"
-        assert self.decode_reserve is None or self.decode_reserve >= 0
+            _require(v is None or v > 0, f"{name} must be positive")
+        _require(
+            self.decode_reserve is None or self.decode_reserve >= 0,
+            f"decode_reserve must be >= 0, not {self.decode_reserve}",
+        )
         for flag in ("--max-total-tokens", "--page-size", "--num-reserved-decode-tokens", "--context-length"):
-            assert flag not in self.args, (
-                f"set {flag} through the topology's own keys, not args: the limits derive from them"
+            _require(
+                flag not in self.args,
+                f"set {flag} through the topology's own keys, not args: the limits derive from them",
             )
 
 
@@ -68,7 +85,10 @@ class GatewayConf:
     upstream_timeout_s: float = 600.0
 
     def __post_init__(self):
-        assert self.max_body_bytes > 0 and self.upstream_timeout_s > 0
+        _require(
+            self.max_body_bytes > 0 and self.upstream_timeout_s > 0,
+            "[gateway] max_body_bytes and upstream_timeout_s must be positive",
+        )
 
 
 # Each layer behind the gateway accepts at least what the layer in front of it forwards, so the
@@ -99,8 +119,8 @@ class TenantsConf:
     assertion_key_file: str | None = None
 
     def __post_init__(self):
-        assert self.mode in ("demo", "file", "off"), f"tenants.mode must be demo, file or off, not {self.mode!r}"
-        assert (self.mode == "file") == (self.file is not None), 'tenants: set file exactly when mode = "file"'
+        _require(self.mode in ("demo", "file", "off"), f"tenants.mode must be demo, file or off, not {self.mode!r}")
+        _require((self.mode == "file") == (self.file is not None), 'tenants: set file exactly when mode = "file"')
 
 
 # Always on the router's command line: one tenant's failing requests must not make the router
@@ -119,11 +139,14 @@ class RouterConf:
 
     def __post_init__(self):
         for flag in ("--max-payload-size", "--request-timeout-secs"):
-            assert flag not in self.args, f"set {flag} through [router] max_payload_bytes / request_timeout_s, not args"
+            _require(
+                flag not in self.args, f"set {flag} through [router] max_payload_bytes / request_timeout_s, not args"
+            )
         for arg in self.args:
-            assert not arg.startswith(("--retry-", "--cb-")), (
+            _require(
+                not arg.startswith(("--retry-", "--cb-")),
                 f"router {arg}: the launcher always runs the router without retries and without a circuit breaker "
-                "(ROUTER_SHARED_FATE_OFF); a retry or breaker setting would let one tenant's failures refuse others"
+                "(ROUTER_SHARED_FATE_OFF); a retry or breaker setting would let one tenant's failures refuse others",
             )
 
 
@@ -146,27 +169,39 @@ class Topology:
     source: str = "<inline>"
 
     def __post_init__(self):
-        assert self.topology in ("single", "pd"), f"topology must be single or pd, not {self.topology!r}"
-        assert self.device in ("cpu", "cuda"), f"device must be cpu or cuda, not {self.device!r}"
-        assert self.worker.count == 1, "[worker] holds flags shared by all servers; set counts per role"
-        assert self.ready_timeout_s > 0
+        _require(self.topology in ("single", "pd"), f"topology must be single or pd, not {self.topology!r}")
+        _require(self.device in ("cpu", "cuda"), f"device must be cpu or cuda, not {self.device!r}")
+        _require(self.worker.count == 1, "[worker] holds flags shared by all servers; set counts per role")
+        _require(self.ready_timeout_s > 0, f"ready_timeout_s must be positive, not {self.ready_timeout_s}")
+        # The deployment-wide request limit is computed from every role's KV budget; without one
+        # the gateway could not start (it refuses to serve without limits), after the servers loaded.
         if self.topology == "pd":
             for role in ("prefill", "decode"):
-                assert self.role_value(role, "kv_tokens"), (
+                _require(
+                    self.role_value(role, "kv_tokens"),
                     f"PD needs every role's KV budget: set kv_tokens in [{role}] or [worker] "
-                    "(the deployment-wide request limit is computed from them)"
+                    "(the deployment-wide request limit is computed from them)",
                 )
-        assert self.model.context_length, "model.context_length: the advertised window must be explicit"
-        assert self.prefill.max_body_bytes is None and self.decode.max_body_bytes is None, (
-            "max_body_bytes is one limit for every server: set it in [worker]"
+        else:
+            _require(
+                self.worker.kv_tokens,
+                "a single server needs its KV budget: set kv_tokens in [worker] ([prefill] and [decode] are "
+                "read in PD only; the request limit is computed from it)",
+            )
+        _require(self.model.context_length, "model.context_length: the advertised window must be explicit")
+        _require(
+            self.prefill.max_body_bytes is None and self.decode.max_body_bytes is None,
+            "max_body_bytes is one limit for every server: set it in [worker]",
         )
         gateway, router, worker = self.body_limits()
-        assert gateway <= router <= worker, (
+        _require(
+            gateway <= router <= worker,
             f"body limits must grow inward so the gateway answers first: gateway {gateway} <= router {router} "
-            f"<= worker {worker}"
+            f"<= worker {worker}",
         )
-        assert self.router_timeout_s() > self.gateway.upstream_timeout_s, (
-            "[router] request_timeout_s must exceed [gateway] upstream_timeout_s so the gateway answers first"
+        _require(
+            self.router_timeout_s() > self.gateway.upstream_timeout_s,
+            "[router] request_timeout_s must exceed [gateway] upstream_timeout_s so the gateway answers first",
         )
 
     @classmethod
@@ -189,7 +224,7 @@ class Topology:
                 source=str(path),
                 **raw,
             )
-        except (TypeError, AssertionError) as e:
+        except (TypeError, TopologyError) as e:
             raise ValueError(f"{path}: {e}") from e
 
     # --- derived -----------------------------------------------------------------------------
@@ -307,8 +342,8 @@ class Topology:
             if self.device == "cpu":
                 argv += list(cpu.DECODE_ARGS)
             argv += self.decode.args
-        else:
-            assert role == "single", role
+        elif role != "single":
+            raise ValueError(f"unknown role {role!r}")
         return argv
 
     def router_argv(

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from glm53_serving.gateway.tokens import PromptCounter
 from glm53_serving.models import tiny
 from tests.e2e.launcher import auth
-from tests.e2e.test_admission import metric
+from tests.e2e.test_admission import P, T, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -104,7 +104,8 @@ def test_chunked_body_over_the_limit_is_413(single):
 def test_models_reports_the_deployment_window(single, pd, topology):
     run = single if topology == "single" else pd
     (m,) = httpx.get(f"{run.url}/v1/models", timeout=30).json()["data"]
-    assert m["id"] == "glm53-tiny" and m["max_model_len"] == 512 and m["max_input_tokens"] == 505
+    # The largest prompt + output and the largest prompt actually served (test_admission sends them).
+    assert (m["id"], m["max_model_len"], m["max_input_tokens"]) == ("glm53-tiny", T, P - 1)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])

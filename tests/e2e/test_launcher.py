@@ -19,13 +19,20 @@ def wait_exit(proc, timeout=300):
     return rc, time.monotonic() - t0
 
 
-def test_ctrl_c_leaves_no_child_alive(tmp_path):
-    run = launch(tmp_path, "--topology", "single")
+def test_ctrl_c_leaves_no_child_alive_and_no_log_reports_a_crash(tmp_path):
+    run = launch(tmp_path, "--topology", "pd")
     pids = run.info["all_pids"]
-    assert len(pids) >= 4 and len(alive(pids)) == len(pids)  # server, scheduler, detokenizer, gateway
+    # 2 x (server, scheduler, detokenizer), router, gateway
+    assert len(pids) >= 8 and len(alive(pids)) == len(pids)
     assert run.stop() == 0
     assert alive(pids) == []
     assert "all children stopped" in launcher_output(tmp_path)
+    logs = {p.name: p.read_text(errors="replace") for p in tmp_path.glob("*.log")}
+    assert {"prefill-0.log", "decode-0.log", "router.log", "gateway.log"} <= set(logs)
+    # A normal stop is not a crash (the whole group got SIGTERM: "scheduler_0 crashed with exit code
+    # -15" in every server log), and the router's log is plain text (it colours its console).
+    assert [n for n, text in logs.items() if "crashed" in text or "Traceback" in text] == []
+    assert "\x1b[" not in logs["router.log"] and "Starting router" in logs["router.log"]
 
 
 def test_child_dying_at_startup_fails_with_its_log_tail(tmp_path):

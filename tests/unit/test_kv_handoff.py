@@ -61,3 +61,12 @@ def test_any_other_length_is_a_handoff_mismatch_before_decoding(carried):
     assert req.finished_reason.err_type == kv_handoff.MISMATCH_CODE
     assert req.finished_reason.message.startswith(KV_HANDOFF_MESSAGE)
     assert req.skip_radix_cache_insert
+
+
+@pytest.mark.parametrize("carried, aborted", [(137, False), (136, True), (1, True)])
+def test_a_retraction_rebootstrap_is_checked_like_any_transfer(carried, aborted):
+    # The check was skipped for re-bootstrapped transfers: a short one decoded unchecked.
+    req, _ = decode_side(137, carried, is_rebootstrap=True)
+    assert isinstance(req.finished_reason, FINISH_ABORT) == aborted
+    if aborted:
+        assert req.finished_reason.err_type == kv_handoff.MISMATCH_CODE

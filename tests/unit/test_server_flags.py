@@ -12,6 +12,12 @@ from glm53_serving.server_flags import FLAGS
 
 DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ServerArgs)}
 ON = {bool: True, int: 2, str: "on", type(None): "on"}
+ON_VALUE = {"disaggregation_transfer_backend": "fake"}  # rows switched on by one value of a string
+
+
+def on(attr):
+    return ON_VALUE.get(attr, ON[type(DEFAULTS[attr])])
+
 
 # Names that say a flag adds a process, a cache tier or an allocation path. Every ServerArgs field
 # they match is in FLAGS, or below with why it needs no row of its own: a flag added upstream is
@@ -19,9 +25,10 @@ ON = {bool: True, int: 2, str: "on", type(None): "on"}
 REVIEW = re.compile(
     r"worker_num|use_ray|grpc_mode|pdmux|nnodes|dp_size|pp_size|hierarchical|hicache|lmcache|offload_kvcache|"
     r"external_linker|radix_cache|speculative_algorithm|hisparse|memory_saver|kv_cache_sharding|cache_layer_split|"
-    r"mixed_chunk|decoupled_spec_role"
+    r"mixed_chunk|decoupled_spec_role|transfer_backend"
 )
 NO_ROW = {
+    "encoder_transfer_backend": "the multimodal encoder's transfer backend: text-only model (validation refuses media)",
     "mm_processor_worker_num": "multimodal preprocessing threads: text-only model (validation refuses media)",
     "mm_io_worker_num": "multimodal I/O threads: text-only model",
     "grpc_worker_threads": "threads of the gRPC server, which is refused (grpc_mode)",
@@ -64,14 +71,14 @@ class _Args:
 
 @pytest.mark.parametrize("row", [f for f in FLAGS if not f.covered], ids=lambda f: f.attr)
 def test_each_refused_flag_is_refused_with_its_reason(row):
-    value = ON[type(DEFAULTS[row.attr])]
+    value = on(row.attr)
     (problem,) = server_flags.problems(_Args({**DEFAULTS, row.attr: value}))
     assert row.flag in problem and row.why in problem
 
 
 @pytest.mark.parametrize("row", [f for f in FLAGS if f.covered], ids=lambda f: f.attr)
 def test_each_covered_flag_starts(row):
-    assert server_flags.problems(_Args({**DEFAULTS, row.attr: ON[type(DEFAULTS[row.attr])]})) == []
+    assert server_flags.problems(_Args({**DEFAULTS, row.attr: on(row.attr)})) == []
 
 
 def test_every_flag_that_adds_a_process_a_cache_tier_or_an_allocation_path_was_reviewed():

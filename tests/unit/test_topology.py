@@ -52,31 +52,77 @@ def test_gpu_topology_gets_no_cpu_settings(tmp_path):
 M = '[model]\npreset = "glm53-tiny"\ncontext_length = 512\n[worker]\nkv_tokens = 2048\n'
 
 
-@pytest.mark.parametrize(
-    "body, msg",
-    [
-        ('topology = "ring"\n' + M, "topology must be"),
-        ('[model]\npreset = "glm53-tiny"\npath = "/x"\n', "exactly one of preset, path"),
-        ('[model]\npreset = "llama"\n', "model.preset"),
-        (M + "[decode]\ncount = 0\n", "at least one server"),
-        ("nonsense = 1\n" + M, "nonsense"),
-        ('[model]\npreset = "glm53-tiny"\ncontext_length = 512\n', "KV budget"),
-        ('[model]\npreset = "glm53-tiny"\n[worker]\nkv_tokens = 9\n', "context_length"),
-        (M.replace("[worker]\n", '[worker]\nargs = ["--max-total-tokens", "9"]\n'), "through the topology"),
-        (M + "[gateway]\nmax_body_bytes = 100\n[router]\nmax_payload_bytes = 50\n", "grow inward"),
-        (M.replace("[worker]\n", "[worker]\nmax_body_bytes = 10\n"), "grow inward"),
-        (M + "[decode]\nmax_body_bytes = 10\n", "set it in \\[worker\\]"),
-        (M + "[gateway]\nupstream_timeout_s = 100\n[router]\nrequest_timeout_s = 100\n", "gateway answers first"),
-        (M + '[router]\nargs = ["--max-payload-size", "9"]\n', "max_payload_bytes"),
-        (M + '[router]\nargs = ["--retry-max-retries", "3"]\n', "without retries"),
-        (M + '[router]\nargs = ["--cb-failure-threshold", "50"]\n', "without a circuit breaker"),
-    ],
-)
+BAD = [
+    ('topology = "ring"\n' + M, "topology must be"),
+    ('[model]\npreset = "glm53-tiny"\npath = "/x"\n', "exactly one of preset, path"),
+    ('[model]\npreset = "llama"\n', "model.preset"),
+    (M + "[decode]\ncount = 0\n", "at least one server"),
+    ("nonsense = 1\n" + M, "nonsense"),
+    ('[model]\npreset = "glm53-tiny"\ncontext_length = 512\n', "KV budget"),
+    ('[model]\npreset = "glm53-tiny"\n[worker]\nkv_tokens = 9\n', "context_length"),
+    (M.replace("[worker]\n", '[worker]\nargs = ["--max-total-tokens", "9"]\n'), "through the topology"),
+    (M + "[gateway]\nmax_body_bytes = 100\n[router]\nmax_payload_bytes = 50\n", "grow inward"),
+    (M.replace("[worker]\n", "[worker]\nmax_body_bytes = 10\n"), "grow inward"),
+    (M + "[decode]\nmax_body_bytes = 10\n", "set it in \\[worker\\]"),
+    (M + "[gateway]\nupstream_timeout_s = 100\n[router]\nrequest_timeout_s = 100\n", "gateway answers first"),
+    (M + '[router]\nargs = ["--max-payload-size", "9"]\n', "max_payload_bytes"),
+    (M + '[router]\nargs = ["--retry-max-retries", "3"]\n', "without retries"),
+    (M + '[router]\nargs = ["--cb-failure-threshold", "50"]\n', "without a circuit breaker"),
+    (
+        'topology = "single"\n[model]\npreset = "glm53-tiny"\ncontext_length = 512\n[prefill]\nkv_tokens = 64\n',
+        "KV budget",
+    ),
+]
+
+
+@pytest.mark.parametrize("body, msg", BAD)
 def test_bad_topologies_fail_at_load(tmp_path, body, msg):
     p = tmp_path / "bad.toml"
     p.write_text(body)
     with pytest.raises(ValueError, match=msg):
         Topology.load(p)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("as_", ["single", "pd"])
+def test_every_combination_the_loader_accepts_has_the_limits_the_gateway_needs(path, as_):
+    # `--topology single` on the PD file passed --dry-run, then the gateway exited for want of
+    # deployment limits after the server had loaded its weights: the loader now refuses it.
+    try:
+        topo = Topology.load(path, topology=as_)
+    except ValueError as e:
+        assert as_ == "single" and "single server needs its KV budget" in str(e)
+        return
+    _, limits = topo.admission_plan()
+    assert limits is not None and "GLM53_DEPLOYMENT_LIMITS" in topo.process_env()
+
+
+def test_single_without_a_worker_kv_budget_is_refused_at_load(tmp_path):
+    p = tmp_path / "t.toml"
+    p.write_text(
+        '[model]\npath = "/m"\ncontext_length = 512\n[prefill]\nkv_tokens = 2048\n[decode]\nkv_tokens = 2048\n'
+    )
+    assert Topology.load(p).topology == "pd"
+    with pytest.raises(ValueError, match=r"single server needs its KV budget: set kv_tokens in \[worker\]"):
+        Topology.load(p, topology="single")
+
+
+def test_the_loader_refuses_bad_files_under_python_O(tmp_path):
+    # The checks were `assert`s: under python -O every bad file above loaded.
+    bodies = [b for b, _ in BAD]
+    for i, body in enumerate(bodies):
+        (tmp_path / f"{i}.toml").write_text(body)
+    code = (
+        "import sys, pathlib\nfrom glm53_serving.topology import Topology\n"
+        "loaded = []\n"
+        f"for p in sorted(pathlib.Path({str(tmp_path)!r}).glob('*.toml')):\n"
+        "    try:\n        Topology.load(p)\n        loaded.append(p.name)\n"
+        "    except ValueError:\n        pass\n"
+        "print('loaded:', loaded, 'optimize:', sys.flags.optimize)\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "loaded: [] optimize: 1", out.stdout
 
 
 def test_dry_run_prints_every_process_and_the_client_url():
