@@ -47,6 +47,12 @@ TENANTS = Var(
     "launcher",
     "on",
 )
+DEPLOYMENT = Var(
+    "GLM53_DEPLOYMENT",
+    "the deployment's name, in the audience of its tenant assertions (another deployment's do not verify)",
+    "launcher",
+    "glm53",
+)
 PREFILL_BOOTSTRAP = Var(
     "GLM53_PREFILL_BOOTSTRAP", '"host:port,...": the only prefill bootstrap endpoints a PD worker accepts', "launcher"
 )
@@ -65,6 +71,7 @@ VARS: tuple[Var, ...] = (
     MAX_BODY_BYTES,
     ASSERTION_KEY_FILE,
     TENANTS,
+    DEPLOYMENT,
     PREFILL_BOOTSTRAP,
     SERVING_DISABLE,
     KV_GUARD_OFF,

@@ -22,7 +22,30 @@ CONTRACT: dict[str, tuple[int, str]] = {
     "internal_error": (500, "server_error"),
     "kv_isolation_violation": (500, "server_error"),
     "kv_handoff_mismatch": (500, "server_error"),
+    # the gateway's answers about its upstream (the router or the single server)
+    "upstream_error": (502, "server_error"),  # or the upstream's own status: see status_type()
+    "upstream_unavailable": (502, "server_error"),
+    "upstream_timeout": (504, "server_error"),
 }
+
+
+def contract(code: str) -> tuple[int, str]:
+    """(status, type) of a contract code; a code outside the contract is a bug of ours, refused
+    even under python -O."""
+    try:
+        return CONTRACT[code]
+    except KeyError:
+        raise TypeError(f"{code!r} is not a code of the error contract (errors.CONTRACT)") from None
+
+
+def status_type(status: int) -> str:
+    """The OpenAI error type of a status the upstream chose (an `upstream_error` keeps its status)."""
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(code: str, message: str, param: str | None = None, type_: str | None = None, **details: Any) -> dict:
+    """The one builder of an error body: `code` must be a contract code."""
+    return {"error": {"message": message, "type": type_ or contract(code)[1], "param": param, "code": code, **details}}
 
 
 # The scheduler-side KV guards' messages begin with these. sglang-router's PD error rewrite keeps
@@ -59,8 +82,7 @@ class ClientError(ValueError):
     details: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.code not in CONTRACT:  # a bug of ours, refused even under python -O
-            raise TypeError(f"{self.code!r} is not a code of the error contract (errors.CONTRACT)")
+        contract(self.code)  # refuses a code outside the contract
         ValueError.__init__(self, self.message)
 
     def __str__(self) -> str:
@@ -71,12 +93,4 @@ class ClientError(ValueError):
         return CONTRACT[self.code][0]
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": CONTRACT[self.code][1],
-                "param": self.param,
-                "code": self.code,
-                **self.details,
-            }
-        }
+        return error_body(self.code, self.message, self.param, **self.details)

@@ -285,6 +285,7 @@ class Tenancy:
     key_file: Path | None = None
     tenants_file: Path | None = None  # None: tenants off (the key then signs operator tokens only)
     demo_keys: dict[str, str] = field(default_factory=dict)
+    deployment: str | None = None  # the audience of its assertions (Topology.deployment)
 
     DEMO_TENANTS = ("demo", "demo-b")
 
@@ -294,7 +295,7 @@ class Tenancy:
         base = Path(topo.source).parent if topo.source != "<inline>" else Path.cwd()
         key_file = (base / conf.assertion_key_file) if conf.assertion_key_file else run_dir / "assertion.key"
         tenants_file = {"file": base / (conf.file or ""), "demo": run_dir / "tenants.toml"}.get(conf.mode)
-        out = cls(key_file, tenants_file)
+        out = cls(key_file, tenants_file, deployment=topo.deployment())
         if not create:
             return out
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -323,7 +324,10 @@ class Tenancy:
         return {tenants.KEY_FILE_ENV: str(self.key_file)} if self.on else {}
 
     def admin_headers(self) -> dict[str, str]:
-        return {"Authorization": "Bearer " + tenants.mint(tenants.load_assertion_key(self.key_file), tenants.ADMIN)}
+        return {
+            "Authorization": "Bearer "
+            + tenants.mint(tenants.load_assertion_key(self.key_file), tenants.ADMIN, deployment=self.deployment)
+        }
 
 
 @dataclass(slots=True)
@@ -331,6 +335,7 @@ class Plan:
     servers: list[Child]
     router: Child | None  # PD only
     gateway: Child  # the client endpoint of every topology
+    operator_url: str  # the gateway's operator listener (/metrics): never the client port
 
     def all(self) -> list[Child]:
         return [*self.servers, *([self.router] if self.router else []), self.gateway]
@@ -377,12 +382,13 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
         )
         router.plain_log = True
         upstream = router.url
+    operator_port = free_port(h)
     gateway = child(
         "gateway",
-        lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file),
+        lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file, operator_port),
         base={**shared, **tenancy.gateway_env()},
     )
-    return Plan(servers, router, gateway)
+    return Plan(servers, router, gateway, f"http://{h}:{operator_port}")
 
 
 def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
@@ -410,6 +416,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
     ready_s = time.monotonic() - t0
     info = {
         "client_url": client_url,
+        "operator_url": p.operator_url,
         "topology": topo.topology,
         "model": topo.model.served_model_name,
         "ready_s": round(ready_s, 1),
@@ -421,6 +428,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
             "file": str(tenancy.tenants_file) if tenancy.tenants_file else None,
             "assertion_key_file": str(tenancy.key_file) if tenancy.key_file else None,
             "demo_keys_file": str(run_dir / "demo-keys.json") if tenancy.demo_keys else None,
+            "deployment": tenancy.deployment,  # the audience of its assertions: tenants.audience(deployment)
         },
     }
     # Whoever waits for ready.json reads it as soon as it exists: it appears whole, or not at all.
@@ -437,6 +445,7 @@ def print_ready(info: dict) -> None:
     print(
         f"\nready in {info['ready_s']} s ({info['topology']})\n"
         f"  client URL: {url}\n{keys}"
+        f"  operator (metrics): {info['operator_url']}/metrics\n"
         f"  try:  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
         f"  Ctrl-C stops every process.\n",
         flush=True,

@@ -178,7 +178,7 @@ def access_of(path: str) -> Access:
     return next((a for rx, a in _TEMPLATED if rx.match(path)), Access.ADMIN)
 
 
-INTERNAL = "__internal__"  # the server's own calls: /health_generate's namespace, the internal credential
+INTERNAL = tenants.INTERNAL  # the server's own calls: /health_generate's namespace, the internal credential
 
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("glm53_principal", default=None)
 _key: bytes | None = None  # the deployment's assertion key; None only when tenants are off explicitly

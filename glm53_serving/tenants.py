@@ -12,7 +12,7 @@ Invariants:
 
 CLI (an operator's tools):
     python -m glm53_serving.tenants add FILE TENANT      add a tenant, print its new key once
-    python -m glm53_serving.tenants admin-token KEYFILE  a short-lived admin assertion for curl
+    python -m glm53_serving.tenants admin-token KEYFILE --deployment NAME   an admin assertion for curl
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import sys
 import time
@@ -34,14 +35,48 @@ import tomli_w
 from glm53_serving import env
 
 KEY_FILE_ENV = env.ASSERTION_KEY_FILE.name  # set by the launcher on the gateway and every worker
-AUDIENCE = "glm53-workers"
-ASSERTION_TTL_S = 120
+ASSERTION_TTL_S = 120  # what the gateway mints for tenants
+# Lifetimes every verifier enforces (exp - iat), whoever minted the assertion: a captured tenant
+# assertion replays for minutes at most, an operator token for hours (docs/threat-model.md).
+MAX_TTL_S = {"tenant": 600, "admin": 12 * 3600}
+LEEWAY_S = 5  # clock skew between the gateway's host and a worker's
 KEY_PREFIX = "g53-"
-ADMIN = "admin"  # role of an operator's assertion (never a tenant id: see TenantsFile)
+ADMIN = "admin"  # role of an operator's assertion (never a tenant id)
+INTERNAL = "__internal__"  # the server's own calls (tenant_guard); never a tenant id, never signed
+RESERVED = frozenset({ADMIN, INTERNAL})
+TENANT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MIN_KEY_BYTES = 32
+
+
+class TenantsError(ValueError):
+    """A tenants file, tenant id or assertion key that cannot be used (the message names it and the way out)."""
+
+
+def _require(ok: bool, message: str) -> None:
+    # Not `assert`: these checks decide who is an operator and must hold under python -O.
+    if not ok:
+        raise TenantsError(message)
+
+
+def check_tenant_id(tenant: object, where: str = "tenant id") -> str:
+    _require(
+        isinstance(tenant, str) and TENANT_ID.fullmatch(tenant) is not None,
+        f"{where}: {tenant!r} is not a tenant id (1-64 of letters, digits, '.', '_', '-'; starting with a letter "
+        "or digit)",
+    )
+    _require(tenant.lower() not in RESERVED, f"{where}: {tenant!r} is reserved ({', '.join(sorted(RESERVED))})")
+    return tenant
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The credential of an `Authorization: Bearer <credential>` header, or None."""
+    if not authorization or authorization[:7].lower() != "bearer ":
+        return None
+    return authorization[7:].strip() or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,27 +87,42 @@ class TenantsFile:
 
     @classmethod
     def load(cls, path: Path) -> TenantsFile:
-        data = tomllib.loads(Path(path).read_text())
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise TenantsError(
+                f"{path}: no such tenants file (create it with python -m glm53_serving.tenants add {path} TENANT)"
+            ) from None
+        except tomllib.TOMLDecodeError as e:
+            raise TenantsError(f"{path}: not TOML: {e}") from None
+        entries = data.get("tenants", {})
+        _require(isinstance(entries, dict), f"{path}: [tenants] must be a table of tenants")
         by_hash: dict[str, str] = {}
-        for tenant, entry in data.get("tenants", {}).items():
-            assert tenant != ADMIN, f"{path}: '{ADMIN}' is reserved for operator assertions"
-            for h in entry.get("key_sha256", []):
-                assert len(h) == 64 and all(c in "0123456789abcdef" for c in h), f"{path}: {tenant}: bad hash {h!r}"
-                assert h not in by_hash, f"{path}: one key hash listed for {by_hash.get(h)} and {tenant}"
+        for tenant, entry in entries.items():
+            check_tenant_id(tenant, f"{path}: [tenants.{tenant}]")
+            hashes = entry.get("key_sha256", []) if isinstance(entry, dict) else None
+            _require(isinstance(hashes, list), f"{path}: {tenant}: key_sha256 must be a list of SHA-256 hex digests")
+            for h in hashes:
+                _require(
+                    isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h),
+                    f"{path}: {tenant}: bad hash {h!r} (64 lower-case hex digits)",
+                )
+                _require(h not in by_hash, f"{path}: one key hash listed for {by_hash.get(h)} and {tenant}")
                 by_hash[h] = tenant
         return cls(by_hash)
 
     def tenant_of(self, authorization: str | None) -> str | None:
         """The tenant of an `Authorization: Bearer <key>` header, or None."""
-        if not authorization or not authorization[:7].lower() == "bearer ":
-            return None
-        return self.by_hash.get(hash_key(authorization[7:].strip()))
+        key = bearer(authorization)
+        return None if key is None else self.by_hash.get(hash_key(key))
 
 
 def add_tenant(path: Path, tenant: str) -> str:
     """Add `tenant` with a new key to the file (created 0600 if missing); return the key."""
-    assert tenant and tenant != ADMIN and all(c.isalnum() or c in "-_." for c in tenant), f"bad tenant id {tenant!r}"
+    check_tenant_id(tenant)
     path = Path(path)
+    if path.exists():
+        TenantsFile.load(path)  # never rewrite a file we could not read
     data = tomllib.loads(path.read_text()) if path.exists() else {}
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     data.setdefault("tenants", {}).setdefault(tenant, {}).setdefault("key_sha256", []).append(hash_key(key))
@@ -98,42 +148,76 @@ def load_assertion_key(path: str | os.PathLike | None = None) -> bytes | None:
     path = path or os.environ.get(KEY_FILE_ENV)
     if not path:
         return None
-    key = Path(path).read_text().strip().encode()
-    assert len(key) >= 32, f"{path}: the assertion key is too short"
+    try:
+        key = Path(path).read_text().strip().encode()
+    except FileNotFoundError:
+        raise TenantsError(
+            f"{path}: the assertion key file does not exist (create one with python -m glm53_serving.tenants "
+            f"new-key {path})"
+        ) from None
+    _require(len(key) >= MIN_KEY_BYTES, f"{path}: the assertion key is too short ({MIN_KEY_BYTES} bytes at least)")
     return key
+
+
+def audience(deployment: str | None = None) -> str:
+    """A deployment's audience (default: this process's, set by the launcher): an assertion minted
+    for another deployment, even one that shares the key by mistake, does not verify here."""
+    return f"glm53:{deployment or env.DEPLOYMENT.get()}"
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
     tenant: str  # a tenant id, or ADMIN for an operator
     exp: float = 0.0
+    jti: str = ""  # the assertion's id: logged, so one captured assertion can be traced
 
     @property
     def is_admin(self) -> bool:
         return self.tenant == ADMIN
 
 
-def mint(key: bytes, tenant: str, ttl_s: int = ASSERTION_TTL_S) -> str:
+def mint(key: bytes, tenant: str, ttl_s: int = ASSERTION_TTL_S, deployment: str | None = None) -> str:
+    role = ADMIN if tenant == ADMIN else "tenant"
+    if role == "tenant":
+        check_tenant_id(tenant)
+    _require(0 < ttl_s <= MAX_TTL_S[role], f"an {role} assertion lives 1 to {MAX_TTL_S[role]} s, not {ttl_s}")
     now = int(time.time())
-    return jwt.encode({"sub": tenant, "aud": AUDIENCE, "iat": now, "exp": now + ttl_s}, key, algorithm="HS256")
+    claims = {
+        "sub": tenant,
+        "aud": audience(deployment),
+        "iat": now,
+        "exp": now + ttl_s,
+        "jti": secrets.token_urlsafe(12),
+    }
+    return jwt.encode(claims, key, algorithm="HS256")
 
 
 def verify(key: bytes, authorization: str | None) -> Principal | None:
-    """The principal of a worker request's `Authorization: Bearer <assertion>`, or None."""
-    if not authorization or not authorization[:7].lower() == "bearer ":
+    """The principal of a worker request's `Authorization: Bearer <assertion>`, or None: signed with
+    this deployment's key for its audience, not expired, not issued in the future, and living no
+    longer than its role allows."""
+    token = bearer(authorization)
+    if token is None:
         return None
     try:
         claims = jwt.decode(
-            authorization[7:].strip(),
+            token,
             key,
             algorithms=["HS256"],
-            audience=AUDIENCE,
-            options={"require": ["sub", "aud", "exp", "iat"]},
-            leeway=5,
+            audience=audience(),
+            options={"require": ["sub", "aud", "exp", "iat", "jti"]},
+            leeway=LEEWAY_S,
         )
     except jwt.InvalidTokenError:
         return None
-    return Principal(str(claims["sub"]), float(claims["exp"]))
+    sub, iat, exp = claims["sub"], claims["iat"], claims["exp"]
+    if not isinstance(sub, str) or not all(isinstance(t, int | float) for t in (iat, exp)):
+        return None
+    if sub != ADMIN and (TENANT_ID.fullmatch(sub) is None or sub.lower() in RESERVED):
+        return None
+    if exp - iat > MAX_TTL_S[ADMIN if sub == ADMIN else "tenant"]:
+        return None
+    return Principal(sub, float(exp), str(claims["jti"]))
 
 
 class AssertionCache:
@@ -167,20 +251,32 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("key_file", type=Path)
     t = sub.add_parser("admin-token", help="print an admin assertion for a worker's control endpoints")
     t.add_argument("key_file", type=Path)
-    t.add_argument("--ttl-s", type=int, default=300)
+    t.add_argument("--ttl-s", type=int, default=300, help=f"its lifetime (at most {MAX_TTL_S[ADMIN]} s)")
+    t.add_argument(
+        "--deployment",
+        default=None,
+        help="the deployment it is for ([tenants] deployment; default the topology file's name, e.g. cpu)",
+    )
     args = p.parse_args(argv)
-    if args.cmd == "add":
-        key = add_tenant(args.file, args.tenant)
-        print(key)
-        print(
-            f"added a key for tenant {args.tenant!r} to {args.file}; this key is not stored and will not "
-            "be shown again",
-            file=sys.stderr,
+    try:
+        if args.cmd == "add":
+            key = add_tenant(args.file, args.tenant)
+            print(key)
+            print(
+                f"added a key for tenant {args.tenant!r} to {args.file}; this key is not stored and will not "
+                "be shown again",
+                file=sys.stderr,
+            )
+        elif args.cmd == "new-key":
+            print(f"created {new_assertion_key(args.key_file)}", file=sys.stderr)
+        else:
+            print(mint(load_assertion_key(args.key_file), ADMIN, args.ttl_s, args.deployment))
+    except FileExistsError:
+        p.error(
+            f"{args.key_file} exists: an assertion key is never overwritten (every process of a deployment uses it)"
         )
-    elif args.cmd == "new-key":
-        print(f"created {new_assertion_key(args.key_file)}", file=sys.stderr)
-    else:
-        print(mint(load_assertion_key(args.key_file), ADMIN, args.ttl_s))
+    except TenantsError as e:
+        p.error(str(e))
     return 0
 
 

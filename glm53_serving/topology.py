@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import shlex
 import socket
 import sys
@@ -117,10 +118,17 @@ class TenantsConf:
     file: str | None = None  # mode "file"; relative paths are relative to the topology file
     # The key that signs the gateway's tenant assertions to workers; default: a new one per run.
     assertion_key_file: str | None = None
+    # The audience of those assertions ("glm53:<deployment>"); default: the topology file's name.
+    # Give deployments that could share a key (staging, production) distinct names.
+    deployment: str | None = None
 
     def __post_init__(self):
         _require(self.mode in ("demo", "file", "off"), f"tenants.mode must be demo, file or off, not {self.mode!r}")
         _require((self.mode == "file") == (self.file is not None), 'tenants: set file exactly when mode = "file"')
+        _require(
+            self.deployment is None or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.deployment) is not None,
+            f"tenants.deployment: {self.deployment!r} is not a name (letters, digits, '.', '_', '-')",
+        )
 
 
 # Always on the router's command line: one tenant's failing requests must not make the router
@@ -278,12 +286,19 @@ class Topology:
     def router_timeout_s(self) -> float:
         return self.router.request_timeout_s or self.gateway.upstream_timeout_s + INNER_TIMEOUT_MARGIN_S
 
+    def deployment(self) -> str:
+        if self.tenants.deployment:
+            return self.tenants.deployment
+        stem = Path(self.source).stem if self.source != "<inline>" else ""
+        return re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:64] or env.DEPLOYMENT.default
+
     def process_env(self) -> dict[str, str]:
         out = {
             # The bootstrap server and the transfer engine advertise this address to peers;
             # left unset they advertise the first NIC's address instead of the configured host.
             "SGLANG_HOST_IP": self.host,
             env.MAX_BODY_BYTES.name: str(self.body_limits()[2]),
+            env.DEPLOYMENT.name: self.deployment(),
         }
         _, limits = self.admission_plan()
         if limits is not None:
@@ -377,7 +392,14 @@ class Topology:
             argv += ["--decode", url]
         return argv + self.router.args
 
-    def gateway_argv(self, upstream: str, model_path: str, port: int, tenants_file: Path | None = None) -> list[str]:
+    def gateway_argv(
+        self,
+        upstream: str,
+        model_path: str,
+        port: int,
+        tenants_file: Path | None = None,
+        operator_port: int | None = None,
+    ) -> list[str]:
         ctx, _ = self.admission_plan()
         return [
             sys.executable,
@@ -401,7 +423,9 @@ class Topology:
             str(self.gateway.upstream_timeout_s),
             "--max-n",
             str(MAX_N if self.topology == "single" else MAX_N_PD),
-        ] + ([] if tenants_file is None else ["--tenants-file", str(tenants_file)])
+            *([] if operator_port is None else ["--operator-port", str(operator_port)]),
+            *([] if tenants_file is None else ["--tenants-file", str(tenants_file)]),
+        ]
 
 
 _PORTS_GIVEN: set[int] = set()

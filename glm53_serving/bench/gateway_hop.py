@@ -33,7 +33,7 @@ from glm53_serving import env, tenants
 from glm53_serving.admission import Limits
 from glm53_serving.bench.serving import cpu_seconds, pin, upstream_timing
 from glm53_serving.models import tiny
-from glm53_serving.topology import free_port
+from glm53_serving.topology import GatewayConf, free_port
 
 # One event as SGLang's /generate streams it (text so far, ids, meta_info): ~400 bytes.
 EVENT = (
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
     )
     key_file, tenants_file = tenants.new_assertion_key(tmp / "assertion.key"), tmp / "tenants.toml"
     key = tenants.add_tenant(tenants_file, "bench")
-    up_port, gw_port, bare_port = free_port(), free_port(), free_port()
+    up_port, gw_port, bare_port, operator_port = free_port(), free_port(), free_port(), free_port()
     procs = [
         subprocess.Popen(
             [
@@ -214,6 +214,12 @@ def main(argv=None) -> None:
                 "4096",
                 "--port",
                 str(gw_port),
+                "--operator-port",
+                str(operator_port),
+                "--max-body-bytes",
+                str(GatewayConf().max_body_bytes),
+                "--upstream-timeout-s",
+                str(GatewayConf().upstream_timeout_s),
                 "--tenants-file",
                 str(tenants_file),
             ],
@@ -250,7 +256,7 @@ def main(argv=None) -> None:
                 r["cpu_s"] = cpu_seconds(measured) - cpu0
                 if i:
                     runs[side].append(r)
-        before_forwarding = upstream_timing(sides["via gateway"][0])["admission"]  # all rounds, warm-up too
+        before_forwarding = upstream_timing(f"http://127.0.0.1:{operator_port}")["admission"]  # all rounds, warm-up too
     finally:
         for proc in procs:
             proc.terminate()

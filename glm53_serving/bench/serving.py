@@ -77,7 +77,9 @@ def credential(info: dict, side: str, tenant: str = "demo") -> str:
     t = info["tenants"]
     if side == "gateway":
         return json.loads(Path(t["demo_keys_file"]).read_text())[tenant]
-    return tenants.mint(tenants.load_assertion_key(t["assertion_key_file"]), tenant, ttl_s=6 * 3600)
+    # The longest a tenant assertion may live; the bench asks for one per round.
+    key = tenants.load_assertion_key(t["assertion_key_file"])
+    return tenants.mint(key, tenant, ttl_s=tenants.MAX_TTL_S["tenant"], deployment=t["deployment"])
 
 
 def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[dict]:
@@ -250,7 +252,7 @@ def main(argv=None) -> None:
                     rounds = [[side] for side in sides[:: 1 if i % 2 else -1]]
                 for together in rounds:
                     before = {name: cpu_seconds([p]) for name, p in hop.items()}
-                    timing = upstream_timing(info["client_url"])
+                    timing = upstream_timing(info["operator_url"])
                     # At once, the two sides are two tenants (the demo tenants, swapped each round) with
                     # different prompts (seeds, likewise): SGLang defers a waiting request whose first 32+
                     # tokens match another waiting one in the same cache namespace, and glm53-tiny's
@@ -277,7 +279,7 @@ def main(argv=None) -> None:
                             requests[behind] += r["completed"]  # every request crosses what is behind the gateway
                             requests["gateway"] += r["completed"] if side == "gateway" else 0
                         [via] = [r for (side, _), r in zip(together, results) if side == "gateway"]
-                        now = upstream_timing(info["client_url"])
+                        now = upstream_timing(info["operator_url"])
                         upstream = {k: (now[k][0] - timing[k][0], now[k][1] - timing[k][1]) for k in now}
                         assert all(n == via["completed"] for _, n in upstream.values()), (upstream, via["completed"])
                         inband["ttft"].append(

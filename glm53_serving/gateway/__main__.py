@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
+import socket
 from pathlib import Path
 
 import uvicorn
@@ -22,9 +24,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--served-model-name", required=True)
     p.add_argument("--context-length", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    p.add_argument("--upstream-timeout-s", type=float, default=600.0)
+    p.add_argument("--port", type=int, required=True, help="the client port")
+    p.add_argument(
+        "--operator-port",
+        type=int,
+        default=None,
+        help="the operator's listener: /metrics (they name every tenant), never served on the client port",
+    )
+    p.add_argument("--operator-host", default=None, help="its address (default: --host)")
+    p.add_argument("--max-body-bytes", type=int, required=True)
+    p.add_argument("--upstream-timeout-s", type=float, required=True)
     p.add_argument(
         "--tenants-file",
         type=Path,
@@ -36,9 +45,15 @@ def main(argv: list[str] | None = None) -> None:
     limits = Limits.from_env()
     if limits is None:
         p.error("GLM53_DEPLOYMENT_LIMITS is not set: the gateway enforces the deployment's limit and needs it")
-    key = tenants.load_assertion_key()
+    try:
+        key = tenants.load_assertion_key()
+        tenants_file = tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None
+    except tenants.TenantsError as e:
+        p.error(str(e))
     if (a.tenants_file is None) != (key is None):
         p.error(f"--tenants-file and ${tenants.KEY_FILE_ENV} go together (tenants on), or neither (off)")
+    if a.operator_port is not None and a.operator_port == a.port:
+        p.error("--operator-port must differ from --port: the client port never serves the operator's routes")
     cfg = GatewayConfig(
         upstream=a.upstream,
         model_path=a.model_path,
@@ -48,12 +63,29 @@ def main(argv: list[str] | None = None) -> None:
         max_body_bytes=a.max_body_bytes,
         upstream_timeout_s=a.upstream_timeout_s,
         max_n=a.max_n,
-        tenants=tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None,
+        tenants=tenants_file,
         assertion_key=key,
+        operator_port=a.operator_port,
     )
-    uvicorn.run(
-        built(cfg), host=a.host, port=a.port, log_level="warning", access_log=False, loop="uvloop", http="httptools"
+    # One server on two sockets: the app tells the operator's connections by the socket they came in on.
+    sockets = [socket.create_server((a.host, a.port))]
+    if a.operator_port is not None:
+        sockets.append(socket.create_server((a.operator_host or a.host, a.operator_port)))
+    server = uvicorn.Server(
+        uvicorn.Config(built(cfg), log_level="warning", access_log=False, loop="uvloop", http="httptools")
     )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("glm53_serving.gateway").info(
+        "gateway for %s on http://%s:%d (clients)%s; upstream %s; tenants %s; limits %s",
+        a.served_model_name,
+        a.host,
+        a.port,
+        f", http://{a.operator_host or a.host}:{a.operator_port} (operator: /metrics)" if a.operator_port else "",
+        a.upstream,
+        f"on ({len(set(tenants_file.by_hash.values()))} from {a.tenants_file})" if tenants_file else "OFF",
+        limits,
+    )
+    server.run(sockets=sockets)
 
 
 def built(cfg: GatewayConfig):

@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -24,13 +23,14 @@ from starlette.routing import Route
 
 from glm53_serving import tenants, validation
 from glm53_serving.admission import Limits, check
-from glm53_serving.errors import CONTRACT, ClientError, code_from_message
+from glm53_serving.errors import ClientError, error_body
+from glm53_serving.gateway import upstream_errors
 from glm53_serving.gateway.tokens import PromptCounter, Uncountable
 from glm53_serving.validation import RequestChecks
 
 logger = logging.getLogger("glm53_serving.gateway")
 
-GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATION = validation.GENERATION
 # A tenant's own objects: forwarded with its assertion; the worker checks ownership (tenant_guard).
 # (sglang-router does not route sessions: in PD these answer the router's 404.)
 TENANT_OBJECTS = ("/open_session", "/close_session", "/abort_request")
@@ -72,40 +72,32 @@ class GatewayConfig:
     served_model_name: str
     context_length: int
     limits: Limits
-    max_body_bytes: int = 8 * 1024 * 1024
-    upstream_timeout_s: float = 600.0
+    max_body_bytes: int  # the deployment's ([gateway] in the topology file, its one default)
+    upstream_timeout_s: float
     connect_timeout_s: float = 5.0
     tenants: tenants.TenantsFile | None = None  # None: tenants off (one trust domain)
     assertion_key: bytes | None = None  # signs the tenant assertions workers verify
     max_n: int = validation.MAX_N  # validation.MAX_N_PD behind a PD router
+    # The operator's listener (metrics): a port of its own, never the client port. None: no metrics.
+    operator_port: int | None = None
 
     def __post_init__(self):
-        assert self.upstream.startswith("http"), self.upstream
-        assert (self.tenants is None) == (self.assertion_key is None), "tenants need the assertion key, and back"
-        assert self.max_body_bytes > 0 and self.upstream_timeout_s > 0 and self.connect_timeout_s > 0
+        # Not `assert`: a gateway without its tenants would serve everyone (python -O drops asserts).
+        for ok, message in (
+            (
+                self.upstream.startswith(("http://", "https://")),
+                f"upstream must be an http(s) URL, not {self.upstream!r}",
+            ),
+            ((self.tenants is None) == (self.assertion_key is None), "tenants need the assertion key, and back"),
+            (self.max_body_bytes > 0, f"max_body_bytes must be positive, not {self.max_body_bytes}"),
+            (self.upstream_timeout_s > 0 and self.connect_timeout_s > 0, "timeouts must be positive"),
+        ):
+            if not ok:
+                raise ValueError(f"gateway: {message}")
 
 
 def error_response(status: int, body: dict) -> JSONResponse:
     return JSONResponse(body, status_code=status)
-
-
-def worker_error_inside(message) -> dict | None:
-    """A worker's contract error body embedded in the router's rewritten PD error message (which
-    turns, e.g., decode's 500 kv_isolation_violation into a 500 `decode_error`), or None."""
-    if not isinstance(message, str):
-        return None
-    decoder = json.JSONDecoder()
-    start = message.find("{")
-    while start != -1:
-        try:
-            inner, _ = decoder.raw_decode(message, start)
-        except json.JSONDecodeError:
-            inner = None
-        err = inner.get("error") if isinstance(inner, dict) else None
-        if isinstance(err, dict) and err.get("code") in CONTRACT and isinstance(err.get("message"), str):
-            return {"error": err}
-        start = message.find("{", start + 1)
-    return None
 
 
 def routing_key(tenant: str, affinity: str) -> str:
@@ -223,7 +215,7 @@ class Gateway:
             if judge is not None:
                 await judge(request, endpoint, raw)
         except ClientError as e:
-            return self._answer(tenant, endpoint, e.status, e.body(), reason=e.code)
+            return self._error(tenant, endpoint, e.status, e.body())
         except ClientDisconnect:
             return Response(status_code=499)
         return await self.forward(request, tenant, endpoint, raw, started)
@@ -279,99 +271,30 @@ class Gateway:
                 params=request.query_params.multi_items(),
             )
         except TimeoutError:
-            return self._answer(
-                tenant,
-                endpoint,
-                504,
-                _server_error("The model server did not answer in time.", "upstream_timeout"),
-                reason="upstream_timeout",
+            return self._error(
+                tenant, endpoint, 504, error_body("upstream_timeout", "The model server did not answer in time.")
             )
         except aiohttp.ClientError as e:
-            return self._answer(
+            return self._error(
                 tenant,
                 endpoint,
                 502,
-                _server_error(f"The model server is unreachable: {type(e).__name__}.", "upstream_unavailable"),
-                reason="upstream_unavailable",
+                error_body("upstream_unavailable", f"The model server is unreachable: {type(e).__name__}."),
             )
         if upstream.status >= 400:
-            return await self._honest_error(tenant, endpoint, upstream)
+            try:
+                raw = await upstream.read()
+            except (TimeoutError, aiohttp.ClientError):
+                raw = b""  # the status stands; the body says the server's was lost
+            finally:
+                upstream.release()
+            return self._error(tenant, endpoint, *upstream_errors.answer(upstream.status, raw))
         self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(upstream.status), reason="").inc()
         return UpstreamStream(upstream, sent, self.upstream_timing)
 
-    async def _honest_error(self, tenant: str, endpoint: str, upstream: aiohttp.ClientResponse) -> Response:
-        """Pass a valid OpenAI-shaped error through; anything else (the router's cut or rewritten
-        PD bodies) becomes a valid JSON body with the upstream's status."""
-        status = upstream.status
-        try:
-            raw = await upstream.read()
-        except (TimeoutError, aiohttp.ClientError):
-            raw = b""  # the status stands; the body below says the server's was lost
-        finally:
-            upstream.release()
-        try:
-            body = json.loads(raw)
-            if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
-                err = body["error"]
-                restored = self._contract_error_in(tenant, endpoint, status, err["message"])
-                if restored is not None:
-                    return restored
-                code = err.get("code") if isinstance(err.get("code"), str) else "upstream_error"
-                # The contract's keys, whatever the router rewrote (PD: type "Bad Request", no param).
-                body = {
-                    "error": {
-                        **err,
-                        "message": str(err["message"]),
-                        "param": err.get("param"),
-                        "code": code,
-                        "type": "invalid_request_error" if status < 500 else "server_error",
-                    }
-                }
-                return self._answer(tenant, endpoint, status, body, reason=code)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            pass
-        # Not JSON: the router's PD stream error, an SSE line wrapping the worker's body in a
-        # Python repr, sometimes cut mid-JSON.
-        text = raw.decode(errors="replace")
-        restored = self._contract_error_in(tenant, endpoint, status, text)
-        if restored is not None:
-            return restored
-        return self._answer(
-            tenant,
-            endpoint,
-            status,
-            {
-                "error": {
-                    "message": f"The model server answered {status}: {text[:500]}",
-                    "type": "invalid_request_error" if status < 500 else "server_error",
-                    "param": None,
-                    "code": "upstream_error",
-                }
-            },
-            reason="upstream_error",
-        )
-
-    def _contract_error_in(self, tenant: str, endpoint: str, status: int, text) -> JSONResponse | None:
-        """The worker's own contract error inside a router-rewritten error text: its whole body,
-        or, for a 5xx whose body the router cut or reduced to a message, a KV guard's message."""
-        restored = worker_error_inside(text)
-        if restored is not None:
-            code = restored["error"]["code"]
-            return self._answer(tenant, endpoint, CONTRACT[code][0], restored, reason=code)
-        kv = code_from_message(text) if status >= 500 else None
-        if kv is None:
-            return None
-        code, message = kv
-        return self._answer(
-            tenant,
-            endpoint,
-            CONTRACT[code][0],
-            {"error": {"message": message, "type": CONTRACT[code][1], "param": None, "code": code}},
-            reason=code,
-        )
-
-    def _answer(self, tenant: str, endpoint: str, status: int, body: dict, reason: str) -> JSONResponse:
-        self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(status), reason=reason).inc()
+    def _error(self, tenant: str, endpoint: str, status: int, body: dict) -> JSONResponse:
+        """An error answer, counted by its contract code (a bounded label: error_body takes no other)."""
+        self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(status), reason=body["error"]["code"]).inc()
         return error_response(status, body)
 
     async def models(self, request: Request) -> Response:
@@ -399,7 +322,28 @@ class Gateway:
             return Response(status_code=503)
 
     async def metrics(self, request: Request) -> Response:
+        """The operator's listener only: the series name every tenant."""
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+    async def usage(self, request: Request) -> Response:
+        """A tenant's own request counts (by endpoint, status and code), with its own key; never
+        another tenant's."""
+        try:
+            tenant = self.authenticate(request)
+        except ClientError as e:
+            return self._error(UNAUTHENTICATED, "/v1/usage", e.status, e.body())
+        rows = [
+            {
+                "endpoint": s.labels["endpoint"],
+                "status": int(s.labels["status"]),
+                "code": s.labels["reason"] or None,
+                "requests": int(s.value),
+            }
+            for metric in self.requests.collect()
+            for s in metric.samples
+            if s.name.endswith("_total") and s.labels["tenant"] == tenant
+        ]
+        return JSONResponse({"object": "usage", "tenant": tenant or None, "requests": rows})
 
 
 def build_app(cfg: GatewayConfig) -> GatewayApp:
@@ -408,9 +352,12 @@ def build_app(cfg: GatewayConfig) -> GatewayApp:
     routes += [Route(p, gw.tenant_object, methods=["POST"]) for p in TENANT_OBJECTS]
     routes += [
         Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/v1/usage", gw.usage, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
-        Route("/metrics", gw.metrics, methods=["GET"]),
     ]
+    operator = Starlette(
+        routes=[Route("/metrics", gw.metrics, methods=["GET"]), Route("/health", gw.health, methods=["GET"])]
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -418,7 +365,7 @@ def build_app(cfg: GatewayConfig) -> GatewayApp:
         yield
         await gw.stop()
 
-    return GatewayApp(gw, Starlette(routes=routes, lifespan=lifespan))
+    return GatewayApp(gw, Starlette(routes=routes, lifespan=lifespan), operator)
 
 
 class GatewayApp:
@@ -429,11 +376,20 @@ class GatewayApp:
     and route matching were on every chunk and request, and their answer to an unexpected error
     is a text/plain 500; here it is the contract's JSON body."""
 
-    def __init__(self, gateway: Gateway, starlette: Starlette):
-        self.gateway, self.starlette = gateway, starlette
+    def __init__(self, gateway: Gateway, starlette: Starlette, operator: Starlette):
+        self.gateway, self.starlette, self.operator = gateway, starlette, operator
         self._posts = {r.path: r.endpoint for r in starlette.routes if "POST" in (r.methods or ())}
+        self._operator_port = gateway.cfg.operator_port
 
     async def __call__(self, scope, receive, send) -> None:
+        # One server, two listening sockets (gateway/__main__.py): what a connection may ask for
+        # is decided by the socket it came in on, never by anything the client sends.
+        if (
+            self._operator_port is not None
+            and scope["type"] != "lifespan"
+            and (scope.get("server") or (None, None))[1] == self._operator_port
+        ):
+            return await self.operator(scope, receive, send)
         handler = self._posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None:
             return await self.starlette(scope, receive, send)
@@ -441,12 +397,8 @@ class GatewayApp:
             response = await handler(Request(scope, receive))
         except Exception:
             logger.exception("gateway error on %s", scope["path"])
-            response = self.gateway._answer(
-                UNAUTHENTICATED,
-                scope["path"],
-                500,
-                _server_error("The gateway failed on this request.", "internal_error"),
-                reason="internal_error",
+            response = self.gateway._error(
+                UNAUTHENTICATED, scope["path"], 500, error_body("internal_error", "The gateway failed on this request.")
             )
         await response(scope, receive, send)  # a failure past the first byte closes the connection
 
@@ -503,7 +455,3 @@ class UpstreamStream(Response):
         finally:
             watch.cancel()
             upstream.release() if done else upstream.close()
-
-
-def _server_error(message: str, code: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}

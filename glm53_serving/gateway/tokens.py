@@ -112,11 +112,6 @@ class PromptCounter:
             return prompt, _int_or_none(params.get("max_new_tokens"))
         raise Uncountable(endpoint)
 
-    def count(self, endpoint: str, body: dict) -> tuple[int, int | None]:
-        """(prompt tokens, requested output tokens or None) for a generation request body."""
-        prompt, max_new = self.prompt_of(endpoint, body)
-        return (prompt if isinstance(prompt, int) else self.encode(prompt)), max_new
-
 
 def _int_or_none(v) -> int | None:
     if v is None or (isinstance(v, int) and not isinstance(v, bool)):

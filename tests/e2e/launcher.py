@@ -44,7 +44,8 @@ class Launched:
         key_file = self.info["tenants"]["assertion_key_file"]
         if key_file is None:
             return {}
-        return {"Authorization": f"Bearer {tenants.mint(tenants.load_assertion_key(key_file), tenant)}"}
+        key, deployment = tenants.load_assertion_key(key_file), self.info["tenants"]["deployment"]
+        return {"Authorization": f"Bearer {tenants.mint(key, tenant, deployment=deployment)}"}
 
     def stop(self, sig=signal.SIGINT, timeout=60) -> int:
         if self.proc.poll() is None:

@@ -57,37 +57,69 @@ def test_missing_or_unknown_key_is_401_at_the_gateway_and_nothing_is_forwarded(s
     ):  # a worker assertion is not an API key
         assert_error(httpx.post(f"{run.url}{endpoint}", json=body, headers=headers, timeout=30), 401, "invalid_api_key")
     assert [metric(w, "sglang:http_requests_total", endpoint=endpoint) for w in workers] == before
-    assert metric(run.url, "glm53_gateway_requests_total", tenant="-", status="401", reason="invalid_api_key") >= 4
-    before_ok = metric(run.url, "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200")
+    assert (
+        metric(
+            run.info["operator_url"], "glm53_gateway_requests_total", tenant="-", status="401", reason="invalid_api_key"
+        )
+        >= 4
+    )
+    before_ok = metric(
+        run.info["operator_url"], "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200"
+    )
     r = httpx.post(f"{run.url}{endpoint}", json=body, headers=run.client_headers("demo-b"), timeout=120)
     assert r.status_code == 200, r.text
     assert (
-        metric(run.url, "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200")
+        metric(
+            run.info["operator_url"], "glm53_gateway_requests_total", tenant="demo-b", endpoint=endpoint, status="200"
+        )
         == before_ok + 1
     )
+
+
+@pytest.mark.parametrize("name", ["single", "pd"])
+def test_tenant_metadata_is_the_operators_and_each_tenant_sees_only_its_own_usage(single, pd, name):
+    """The gateway's series name every tenant: served on the operator's listener, never on the
+    client port; a tenant reads its own counts through /v1/usage with its key."""
+    run = topology(single, pd, name)
+    body = over_length("/generate", False, n_prompt=4)
+    for tenant in ("demo", "demo-b"):
+        r = httpx.post(f"{run.url}/generate", json=body, headers=run.client_headers(tenant), timeout=120)
+        assert r.status_code == 200, r.text
+    for headers in ({}, run.client_headers("demo"), run.worker_headers("admin")):
+        r = httpx.get(f"{run.url}/metrics", headers=headers, timeout=30)
+        assert r.status_code == 404 and "demo" not in r.text, r.text
+    text = httpx.get(f"{run.info['operator_url']}/metrics", timeout=30).text
+    assert 'tenant="demo"' in text and 'tenant="demo-b"' in text
+    usage = httpx.get(f"{run.url}/v1/usage", headers=run.client_headers("demo-b"), timeout=30).json()
+    assert usage["tenant"] == "demo-b" and "'demo'" not in str(usage)
+    assert any(r["endpoint"] == "/generate" and r["status"] == 200 and r["requests"] >= 1 for r in usage["requests"])
+    assert_error(httpx.get(f"{run.url}/v1/usage", timeout=30), 401, "invalid_api_key")
 
 
 def forged_credentials(run) -> dict[str, dict]:
     now = int(time.time())
     import jwt
 
-    def bearer(token):
-        return {"Authorization": f"Bearer {token}"}
+    key = tenants.load_assertion_key(run.info["tenants"]["assertion_key_file"])
+    aud = tenants.audience(run.info["tenants"]["deployment"])
+
+    def bearer(claims, signing_key=key, alg="HS256"):
+        claims = {"sub": "demo", "aud": aud, "iat": now, "exp": now + 60, "jti": "j", **claims}
+        return {"Authorization": f"Bearer {jwt.encode(claims, signing_key, alg)}"}
 
     return {
         "none": {},
         "client_api_key": run.client_headers(),
-        "other_deployments_key": bearer(tenants.mint(b"z" * 64, "demo")),
-        "expired": bearer(
-            jwt.encode(
-                {"sub": "demo", "aud": tenants.AUDIENCE, "iat": now - 900, "exp": now - 600},
-                tenants.load_assertion_key(run.info["tenants"]["assertion_key_file"]),
-                "HS256",
-            )
-        ),
-        "unsigned": bearer(
-            jwt.encode({"sub": "demo", "aud": tenants.AUDIENCE, "iat": now, "exp": now + 60}, None, "none")
-        ),
+        "other_deployments_key": bearer({}, b"z" * 64),
+        # the right key, minted for another deployment that shares it by mistake
+        "other_deployments_audience": bearer({"aud": tenants.audience("staging")}),
+        "expired": bearer({"iat": now - 900, "exp": now - 600}),
+        "unsigned": bearer({}, None, "none"),
+        # signed with the deployment's key but living longer than a tenant assertion may
+        "ten_years": bearer({"exp": now + 10 * 365 * 86400}),
+        "admin_ten_years": bearer({"sub": tenants.ADMIN, "exp": now + 10 * 365 * 86400}),
+        "no_jti": bearer({"jti": None}),
+        "reserved_tenant": bearer({"sub": tenants.INTERNAL}),
     }
 
 
@@ -102,6 +134,11 @@ def test_a_worker_reached_without_the_gateway_cannot_claim_a_tenant(single, pd, 
             )
             assert_error(r, 401, "invalid_api_key")
     assert metric(url, "glm53_rejections_total", reason="invalid_api_key") >= 15
+    # the control: the same request with the gateway's real assertion passes authentication
+    r = httpx.post(
+        f"{url}/generate", json=over_length("/generate", False, n_prompt=4), headers=run.worker_headers(), timeout=30
+    )
+    assert r.status_code != 401, r.text
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # open
 
 

@@ -34,6 +34,8 @@ def gw():
             served_model_name="glm53-tiny",
             context_length=512,
             limits=LIMITS,
+            max_body_bytes=8 * 1024 * 1024,
+            upstream_timeout_s=600.0,
         )
     )
 

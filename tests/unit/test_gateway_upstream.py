@@ -3,6 +3,8 @@ timeouts, an unreachable upstream, chunk-by-chunk streaming, a client's disconne
 upstream stream. Each failure is a JSON body with the contract's keys."""
 
 import asyncio
+import hashlib
+import socket
 import threading
 import time
 
@@ -14,6 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from glm53_serving import tenants
 from glm53_serving.admission import Limits
 from glm53_serving.gateway.app import GatewayConfig, build_app
 from glm53_serving.models import tiny
@@ -41,16 +44,20 @@ async def generate(request):
 
         return StreamingResponse(events(), media_type="text/event-stream")
     await asyncio.sleep(delay)
+    if "error" in request.query_params:  # an upstream error in a shape outside our contract
+        code = request.query_params["error"]
+        return JSONResponse({"error": {"message": f"upstream says {code}", "code": code}}, status_code=400)
     return JSONResponse({"text": "ok", "peer": request.client.port})
 
 
-def serve(app):
-    """`app` on a real uvicorn in a thread (the gateway's own HTTP stack: httptools, uvloop)."""
+def serve(app, operator_port: int | None = None):
+    """`app` on a real uvicorn in a thread (the gateway's own HTTP stack: httptools, uvloop), on
+    the client socket and, given its port, the operator's (as gateway/__main__.py serves it)."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", http="httptools")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
+    ports = [port, *([operator_port] if operator_port else [])]
+    sockets = [socket.create_server(("127.0.0.1", p)) for p in ports]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop="uvloop", http="httptools"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
@@ -64,15 +71,20 @@ def upstream():
     yield from serve(Starlette(routes=[Route("/generate", generate, methods=["POST"])]))
 
 
-def gateway_config(upstream_url: str, timeout_s: float = 30.0) -> GatewayConfig:
+OPERATOR_PORT = 9100  # TestClient: a request to http://testserver:9100 comes in on the operator socket
+
+
+def gateway_config(upstream_url: str, timeout_s: float = 30.0, **over) -> GatewayConfig:
     return GatewayConfig(
         upstream=upstream_url,
         model_path=str(tiny.ensure()),
         served_model_name="glm53-tiny",
         context_length=512,
         limits=Limits(506, 510, 512),
+        max_body_bytes=8 * 1024 * 1024,
         upstream_timeout_s=timeout_s,
         connect_timeout_s=2.0,
+        **{"operator_port": OPERATOR_PORT, **over},
     )
 
 
@@ -120,7 +132,7 @@ def test_a_gateway_failure_is_a_500_with_the_contract_body_and_other_routes_stil
             "param": None,
             "code": "internal_error",
         }
-        assert 'reason="internal_error"' in gw.get("/metrics").text
+        assert 'reason="internal_error"' in gw.get(f"http://testserver:{OPERATOR_PORT}/metrics").text
         (model,) = gw.get("/v1/models").json()["data"]
         assert (model["max_model_len"], model["max_input_tokens"]) == (510, 505)  # what is served
         assert gw.get("/generate").status_code == 405 and gw.post("/nowhere").status_code == 404
@@ -193,7 +205,8 @@ def test_the_gateway_times_the_upstream_share_of_each_answer(upstream):
     own time before forwarding; read as the bench reads them."""
     from glm53_serving.bench.serving import upstream_timing
 
-    served = serve(build_app(gateway_config(upstream)))
+    operator_port = free_port()
+    served = serve(build_app(gateway_config(upstream, operator_port=operator_port)), operator_port)
     url = next(served)
     try:
         with httpx.Client(base_url=url, timeout=10) as client:
@@ -204,10 +217,78 @@ def test_the_gateway_times_the_upstream_share_of_each_answer(upstream):
             whole = client.post("/generate?delay=0.1", json={**BODY, "stream": True}).content
             took = time.monotonic() - t0
             assert whole.endswith(b"data: [DONE]\n\n")
-            t = upstream_timing(url)
+            t = upstream_timing(f"http://127.0.0.1:{operator_port}")
+            assert client.get("/metrics").status_code == 404  # never on the client port
     finally:
         next(served, None)
     (admit_s, admit_n), (first_s, first_n), (whole_s, whole_n) = t.values()
     assert admit_n == first_n == 2 and whole_n == 1, t  # the cut stream had its first chunk, not its end
     assert 0 < admit_s < 0.1, t
     assert first_s < 0.2 and 0.5 <= whole_s <= took, (t, took)  # events 0.1 s apart after the first
+
+
+KEY = b"k" * 64
+TENANT_KEYS = {"acme": "g53-acme-key", "beta": "g53-beta-key"}
+
+
+def tenant_gateway(upstream_url: str) -> TestClient:
+    by_hash = {hashlib.sha256(k.encode()).hexdigest(): t for t, k in TENANT_KEYS.items()}
+    cfg = gateway_config(upstream_url, tenants=tenants.TenantsFile(by_hash), assertion_key=KEY)
+    return TestClient(build_app(cfg))
+
+
+def auth(tenant: str) -> dict:
+    return {"Authorization": f"Bearer {TENANT_KEYS[tenant]}"}
+
+
+def test_metrics_name_tenants_on_the_operator_listener_only(upstream):
+    """The series name every tenant: the client port has no /metrics, with or without a key, and
+    the operator's socket serves nothing else."""
+    with tenant_gateway(upstream) as gw:
+        assert gw.post("/generate", json=BODY, headers=auth("acme")).status_code == 200
+        for headers in ({}, auth("acme")):
+            r = gw.get("/metrics", headers=headers)
+            assert r.status_code == 404 and "acme" not in r.text, r.text
+        operator = f"http://testserver:{OPERATOR_PORT}"
+        text = gw.get(f"{operator}/metrics").text
+        assert 'tenant="acme"' in text and "glm53_gateway_requests_total" in text
+        assert gw.post(f"{operator}/generate", json=BODY, headers=auth("acme")).status_code == 404
+        assert gw.get(f"{operator}/v1/usage", headers=auth("acme")).status_code == 404
+
+
+def test_a_tenant_sees_its_own_usage_and_never_anothers(upstream):
+    with tenant_gateway(upstream) as gw:
+        for tenant, n in (("acme", 2), ("beta", 3)):
+            for _ in range(n):
+                assert gw.post("/generate", json=BODY, headers=auth(tenant)).status_code == 200
+        assert gw.post("/generate?error=x", json=BODY, headers=auth("beta")).status_code == 400
+        acme = gw.get("/v1/usage", headers=auth("acme")).json()
+        assert acme == {
+            "object": "usage",
+            "tenant": "acme",
+            "requests": [{"endpoint": "/generate", "status": 200, "code": None, "requests": 2}],
+        }
+        beta = gw.get("/v1/usage", headers=auth("beta")).json()
+        assert beta["tenant"] == "beta" and "acme" not in str(beta)
+        assert sorted((r["status"], r["requests"]) for r in beta["requests"]) == [(200, 3), (400, 1)]
+        r = gw.get("/v1/usage")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "acme" not in r.text
+
+
+def test_upstream_codes_outside_the_contract_reach_clients_and_metrics_as_upstream_error(upstream):
+    """The reason label takes contract codes only: an upstream's own code (here one per index, as
+    a field path would be) is kept in the body as `upstream_code`, never as a series."""
+    with tenant_gateway(upstream) as gw:
+        for i in range(3):
+            r = gw.post(f"/generate?error=invalid_messages[{i}].type", json=BODY, headers=auth("acme"))
+            assert r.status_code == 400
+            assert r.json()["error"] == {
+                "message": f"upstream says invalid_messages[{i}].type",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "upstream_error",
+                "upstream_code": f"invalid_messages[{i}].type",
+            }
+        text = gw.get(f"http://testserver:{OPERATOR_PORT}/metrics").text
+        assert "invalid_messages" not in text and 'reason="upstream_error"' in text

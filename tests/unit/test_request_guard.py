@@ -1,7 +1,5 @@
 """request_guard's ASGI layers on a stand-in app: contract bodies for upstream's own 4xx, 413 before reading."""
 
-import json
-
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
@@ -97,23 +95,6 @@ def test_declared_oversize_body_is_413_before_the_handler_reads_it(client):
 def test_chunked_oversize_body_is_413(client):
     r = client.post("/generate", content=iter([b"x" * 600, b"x" * 600]))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-
-
-def test_the_gateway_unwraps_a_workers_contract_error_from_the_routers_rewrite():
-    from glm53_serving.gateway.app import worker_error_inside
-
-    inner = {
-        "error": {
-            "message": "KV isolation violation",
-            "type": "server_error",
-            "param": None,
-            "code": "kv_isolation_violation",
-        }
-    }
-    for wrapped in (json.dumps(inner), "Decode server error: " + json.dumps(inner) + " (status 500)"):
-        assert worker_error_inside(wrapped) == inner
-    for other in (None, 3, "", "plain text", '{"error": {"code": "decode_error", "message": "x"}}', "{broken"):
-        assert worker_error_inside(other) is None
 
 
 def test_the_gateway_knows_the_kv_guards_messages_the_router_keeps():

@@ -45,23 +45,138 @@ def test_the_cli_prints_a_new_key_once(tmp_path):
     assert tenants.TenantsFile.load(f).tenant_of(f"Bearer {key}") == "acme"
 
 
-def test_admin_is_not_a_tenant_id(tmp_path):
-    with pytest.raises(AssertionError):
-        tenants.add_tenant(tmp_path / "t.toml", tenants.ADMIN)
+@pytest.mark.parametrize("tenant", ["admin", "Admin", "__internal__", "_x", "", "a b", "a/b", "x" * 65, "é"])
+def test_reserved_and_malformed_tenant_ids_are_refused(tmp_path, tenant):
+    with pytest.raises(tenants.TenantsError):
+        tenants.add_tenant(tmp_path / "t.toml", tenant)
+    f = tmp_path / "hand-written.toml"
+    f.write_text(f'[tenants."{tenant}"]\nkey_sha256 = ["{"0" * 64}"]\n')
+    with pytest.raises(tenants.TenantsError, match="tenant id|reserved"):
+        tenants.TenantsFile.load(f)
+
+
+def test_malformed_tenants_files_name_the_problem(tmp_path):
+    f = tmp_path / "t.toml"
+    for text, words in (
+        ('[tenants.acme]\nkey_sha256 = ["abc"]\n', "bad hash"),
+        (f'[tenants.acme]\nkey_sha256 = ["{"a" * 64}"]\n[tenants.beta]\nkey_sha256 = ["{"a" * 64}"]\n', "one key"),
+        ("[tenants.acme]\nkey_sha256 = 3\n", "must be a list"),
+        ("tenants = 3\n", "table"),
+        ("[tenants\n", "not TOML"),
+    ):
+        f.write_text(text)
+        with pytest.raises(tenants.TenantsError, match=words):
+            tenants.TenantsFile.load(f)
+    with pytest.raises(tenants.TenantsError, match="no such tenants file"):
+        tenants.TenantsFile.load(tmp_path / "missing.toml")
+    f.write_text("[tenants\n")
+    with pytest.raises(tenants.TenantsError):
+        tenants.add_tenant(f, "acme")  # never rewrites a file it could not read
+    assert f.read_text() == "[tenants\n"
+
+
+LOADERS_UNDER_O = """
+import sys, tempfile, pathlib
+from glm53_serving import tenants
+d = pathlib.Path(tempfile.mkdtemp())
+(d / "t.toml").write_text('[tenants.admin]\\nkey_sha256 = ["' + "0" * 64 + '"]\\n')
+(d / "k").write_text("short")
+for call in (lambda: tenants.TenantsFile.load(d / "t.toml"), lambda: tenants.add_tenant(d / "u.toml", "admin"),
+             lambda: tenants.load_assertion_key(d / "k"), lambda: tenants.mint(b"k" * 64, "admin", 10**9)):
+    try:
+        call()
+    except tenants.TenantsError:
+        continue
+    sys.exit("accepted under -O")
+"""
+
+
+def test_the_tenant_checks_hold_under_python_O():
+    """With `assert`, python -O loaded a tenant named "admin" (operator rights)."""
+    r = subprocess.run(
+        [sys.executable, "-O", "-c", LOADERS_UNDER_O],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_missing_assertion_key_file_says_how_to_make_one(tmp_path):
+    with pytest.raises(tenants.TenantsError, match="new-key"):
+        tenants.load_assertion_key(tmp_path / "absent.key")
+
+
+def test_cli_errors_are_one_line_not_a_traceback(tmp_path):
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "glm53_serving.tenants", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
+
+    (tmp_path / "k").write_text("k" * 64)
+    for args, words in (
+        (("add", str(tmp_path / "t.toml"), "admin"), "reserved"),
+        (("admin-token", str(tmp_path / "absent.key")), "new-key"),
+        (("admin-token", str(tmp_path / "k"), "--ttl-s", str(10 * 365 * 86400)), "lives 1 to 43200 s"),
+        (("new-key", str(tmp_path / "k")), "never overwritten"),
+    ):
+        r = cli(*args)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert (tmp_path / "k").read_text() == "k" * 64
+
+
+def claims(**over):
+    now = int(time.time())
+    return {"sub": "acme", "aud": tenants.audience(), "iat": now, "exp": now + 60, "jti": "j1", **over}
 
 
 def test_assertion_round_trip_and_rejections():
     token = tenants.mint(KEY, "acme")
-    assert tenants.verify(KEY, f"Bearer {token}").tenant == "acme"
+    p = tenants.verify(KEY, f"Bearer {token}")
+    assert p.tenant == "acme" and p.jti and not p.is_admin
+    assert tenants.verify(KEY, f"Bearer {tenants.mint(KEY, tenants.ADMIN, 3600)}").is_admin
+    assert tenants.verify(KEY, f"Bearer {jwt.encode(claims(), KEY, 'HS256')}").tenant == "acme"  # the control
     assert tenants.verify(b"x" * 64, f"Bearer {token}") is None  # another deployment's key
     now = int(time.time())
-    expired = jwt.encode({"sub": "acme", "aud": tenants.AUDIENCE, "iat": now - 600, "exp": now - 60}, KEY, "HS256")
-    wrong_aud = jwt.encode({"sub": "acme", "aud": "other", "iat": now, "exp": now + 60}, KEY, "HS256")
-    unsigned = jwt.encode({"sub": "acme", "aud": tenants.AUDIENCE, "iat": now, "exp": now + 60}, None, "none")
-    no_exp = jwt.encode({"sub": "acme", "aud": tenants.AUDIENCE, "iat": now}, KEY, "HS256")
-    for bad in (expired, wrong_aud, unsigned, no_exp, token + "x", "", "garbage"):
+    forged = {
+        "expired": claims(iat=now - 600, exp=now - 60),
+        "wrong_aud": claims(aud="other"),
+        "other_deployment": claims(aud=tenants.audience("staging")),
+        "no_exp": claims(exp=None),
+        "no_jti": claims(jti=None),
+        "ten_year_tenant": claims(exp=now + 10 * 365 * 86400),
+        "eleven_minute_tenant": claims(exp=now + 660),
+        "ten_year_admin": claims(sub=tenants.ADMIN, exp=now + 10 * 365 * 86400),
+        "future_iat": claims(iat=now + 3600, exp=now + 3660),
+        "internal": claims(sub=tenants.INTERNAL),
+        "not_an_id": claims(sub="a b"),
+        "int_sub": claims(sub=7),
+    }
+    for name, c in forged.items():
+        token_ = jwt.encode({k: v for k, v in c.items() if v is not None}, KEY, "HS256")
+        assert tenants.verify(KEY, f"Bearer {token_}") is None, name
+    unsigned = jwt.encode(claims(), None, "none")
+    for bad in (unsigned, token + "x", "", "garbage"):
         assert tenants.verify(KEY, f"Bearer {bad}") is None, bad
     assert tenants.verify(KEY, None) is None and tenants.verify(KEY, token) is None  # no "Bearer "
+
+
+def test_lifetimes_are_bounded_when_minting():
+    for tenant, ttl in (("acme", tenants.MAX_TTL_S["tenant"] + 1), (tenants.ADMIN, 10 * 365 * 86400), ("acme", 0)):
+        with pytest.raises(tenants.TenantsError, match="lives 1 to"):
+            tenants.mint(KEY, tenant, ttl)
+
+
+def test_the_audience_is_the_deployments(monkeypatch):
+    monkeypatch.setenv("GLM53_DEPLOYMENT", "prod-eu")
+    token = tenants.mint(KEY, "acme")
+    assert tenants.verify(KEY, f"Bearer {token}").tenant == "acme"
+    monkeypatch.setenv("GLM53_DEPLOYMENT", "staging")
+    assert tenants.verify(KEY, f"Bearer {token}") is None
+    assert tenants.verify(KEY, f"Bearer {tenants.mint(KEY, 'acme', deployment='staging')}").tenant == "acme"
 
 
 def test_the_gateway_reuses_an_assertion_for_half_its_life():
