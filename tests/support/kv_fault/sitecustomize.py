@@ -5,7 +5,9 @@ Put this directory on PYTHONPATH (spawned SGLang children inherit it) and set an
 - GLM53_TEST_KV_FOREIGN=<marker>: when an extend batch is built for a request whose rid
   contains the marker, its req_to_token row gets, at its first new position, the index of a live
   slot that another namespace owns (the incident's situation: a row reaching another tenant's
-  KV). If no foreign slot is live, the owner tag of that position's page is corrupted instead.
+  KV). If no other namespace has a live slot, nothing is injected and the log says so
+  (`no_foreign_slot`): a test must arrange for one (another tenant's cached prompt, or another
+  tenant's request decoding at the same time) and read the log to prove the fault fired.
   Runs before glm53_serving's own hook on the same target (registered first, so innermost), so
   the owner check sees the fault exactly as a real bug would leave it.
 - GLM53_TEST_KV_FOREIGN_DECODE=<marker>: the same at such a request's first decode step (in PD:
@@ -13,8 +15,9 @@ Put this directory on PYTHONPATH (spawned SGLang children inherit it) and set an
 - GLM53_TEST_KV_POISON_TAIL=<marker>: at every batch build of such a request, its row beyond
   the request's length is filled with another namespace's live slot (stale row residue at its
   worst): the output must not change and no check may fail, because nothing reads past the length.
-- GLM53_TEST_KV_SHORT_HANDOFF=<marker>: PD decode reads a prompt length one token short from
-  the metadata slot of such a request (a transfer that did not cover what decode pre-allocated).
+- GLM53_TEST_KV_SHORT_HANDOFF=<marker>, GLM53_TEST_KV_LONG_HANDOFF=<marker>: PD decode reads a
+  prompt length one token short (long) from the metadata slot of such a request (a transfer that
+  did not cover exactly what decode pre-allocated).
 - GLM53_TEST_KV_LOG=<file>: PD decode appends one JSON line per published destination: whether
   every page whose index is being sent to prefill reads zero in every layer buffer, at the moment
   it is sent (the ordering of zeroing and publishing).
@@ -26,6 +29,7 @@ import os
 _FOREIGN = os.environ.get("GLM53_TEST_KV_FOREIGN")
 _FOREIGN_DECODE = os.environ.get("GLM53_TEST_KV_FOREIGN_DECODE")
 _SHORT = os.environ.get("GLM53_TEST_KV_SHORT_HANDOFF")
+_LONG = os.environ.get("GLM53_TEST_KV_LONG_HANDOFF")
 _POISON = os.environ.get("GLM53_TEST_KV_POISON_TAIL")
 _LOG = os.environ.get("GLM53_TEST_KV_LOG")
 
@@ -51,13 +55,12 @@ def _inject(batch, rows, positions, marker, where):
         owner = kv_owner.owner_of(req)
         row, pos = int(rows[i]), int(positions[i])
         slot = _foreign_slot(allocator, owner)
-        if slot is not None:
-            r2t[row, pos] = slot
-            _log(fault="foreign_index", where=where, rid=req.rid, pos=pos, slot=slot)
-        else:
-            page = int(r2t[row, pos]) // allocator.page_size
-            tags[page] = owner + 1
-            _log(fault="corrupt_tag", where=where, rid=req.rid, pos=pos, page=page)
+        if slot is None:
+            _log(fault="no_foreign_slot", where=where, rid=req.rid, pos=pos)
+            continue
+        r2t[row, pos] = slot
+        page = slot // allocator.page_size
+        _log(fault="foreign_index", where=where, rid=req.rid, pos=pos, slot=slot, owner=int(tags[page]), own=owner)
 
 
 def _inject_foreign(result, batch, *args, **kwargs):
@@ -87,10 +90,17 @@ def _poison(batch, rows, lens, where):
     r2t = batch.req_to_token_pool.req_to_token
     for i, req in enumerate(batch.reqs):
         if _POISON is not None and _POISON in str(req.rid):
-            slot = _foreign_slot(allocator, kv_owner.owner_of(req))
-            slot = allocator.size if slot is None else slot  # the last slot: someone's or free
+            foreign = _foreign_slot(allocator, kv_owner.owner_of(req))
+            slot = allocator.size if foreign is None else foreign  # the last slot: someone's or free
             r2t[int(rows[i]), int(lens[i]) :] = slot
-            _log(fault="poison_tail", rid=req.rid, where=where, start=int(lens[i]), slot=slot)
+            _log(
+                fault="poison_tail",
+                rid=req.rid,
+                where=where,
+                start=int(lens[i]),
+                slot=slot,
+                foreign=foreign is not None,
+            )
 
 
 def _poison_extend(result, batch, *args, **kwargs):
@@ -103,12 +113,13 @@ def _poison_decode(result, batch, token_per_req=1, *args, **kwargs):
     return result
 
 
-def _short_handoff(self, decode_req, *args, **kwargs):
-    if _SHORT in str(decode_req.req.rid):
-        from glm53_serving.kv_handoff import LENGTH_SLOT
+def _wrong_length_handoff(self, decode_req, *args, **kwargs):
+    for marker, delta, fault in ((_SHORT, -1, "short_handoff"), (_LONG, 1, "long_handoff")):
+        if marker is not None and marker in str(decode_req.req.rid):
+            from glm53_serving.kv_handoff import LENGTH_SLOT
 
-        self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index][LENGTH_SLOT] -= 1
-        _log(fault="short_handoff", rid=decode_req.req.rid)
+            self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index][LENGTH_SLOT] += delta
+            _log(fault=fault, rid=decode_req.req.rid)
     return None
 
 
@@ -124,7 +135,7 @@ def _probe_publish(self, decode_req, kv_indices, page_size, *args, **kwargs):
     return None
 
 
-if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LOG or _POISON:
+if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LONG or _LOG or _POISON:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if _FOREIGN:
@@ -136,10 +147,10 @@ if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LOG or _POISON:
     if _POISON:
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _poison_extend, HookType.AFTER)
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _poison_decode, HookType.AFTER)
-    if _SHORT:
+    if _SHORT or _LONG:
         HookRegistry.register(
             "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
-            _short_handoff,
+            _wrong_length_handoff,
             HookType.BEFORE,
         )
     if _LOG:
