@@ -113,7 +113,11 @@ def test_over_length_at_the_client_endpoint_is_the_contract_400(single, pd, topo
     assert [metric(w, "glm53_rejections_total") for w in workers] == before
     assert (
         metric(
-            run.url, "glm53_gateway_requests_total", endpoint=endpoint, status="400", reason="context_length_exceeded"
+            run.info["operator_url"],
+            "glm53_gateway_requests_total",
+            endpoint=endpoint,
+            status="400",
+            reason="context_length_exceeded",
         )
         >= 1
     )
