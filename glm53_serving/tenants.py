@@ -10,20 +10,28 @@ Invariants:
   is stable across workers and restarts of one deployment, distinct between tenants, and not
   guessable by a client.
 
-CLI (an operator's tools):
+CLI (an operator's tools; every change is written atomically, 0600, and a running gateway
+takes it within a second, or at once on SIGHUP):
     python -m glm53_serving.tenants add FILE TENANT      add a tenant, print its new key once
+    python -m glm53_serving.tenants rotate FILE TENANT   a new key beside the old ones
+    python -m glm53_serving.tenants retire FILE KEY_ID   remove one key (ids from `list`)
+    python -m glm53_serving.tenants remove FILE TENANT   remove a tenant
+    python -m glm53_serving.tenants list|check FILE      key ids per tenant | validate
     python -m glm53_serving.tenants admin-token KEYFILE --deployment NAME   an admin assertion for curl
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
 import sys
+import tempfile
 import time
 import tomllib
 from dataclasses import dataclass
@@ -34,6 +42,8 @@ import tomli_w
 
 from glm53_serving import env
 
+logger = logging.getLogger("glm53_serving.tenants")
+
 KEY_FILE_ENV = env.ASSERTION_KEY_FILE.name  # set by the launcher on the gateway and every worker
 ASSERTION_TTL_S = 120  # what the gateway mints for tenants
 # Lifetimes every verifier enforces (exp - iat), whoever minted the assertion: a captured tenant
@@ -41,6 +51,7 @@ ASSERTION_TTL_S = 120  # what the gateway mints for tenants
 MAX_TTL_S = {"tenant": 600, "admin": 12 * 3600}
 LEEWAY_S = 5  # clock skew between the gateway's host and a worker's
 KEY_PREFIX = "g53-"
+KEY_ID_CHARS = 12
 ADMIN = "admin"  # role of an operator's assertion (never a tenant id)
 INTERNAL = "__internal__"  # the server's own calls (tenant_guard); never a tenant id, never signed
 RESERVED = frozenset({ADMIN, INTERNAL})
@@ -116,21 +127,132 @@ class TenantsFile:
         key = bearer(authorization)
         return None if key is None else self.by_hash.get(hash_key(key))
 
+    def keys(self) -> dict[str, list[str]]:
+        """tenant -> the ids of its keys (key_id), in file order."""
+        out: dict[str, list[str]] = {}
+        for h, tenant in self.by_hash.items():
+            out.setdefault(tenant, []).append(key_id(h))
+        return out
 
-def add_tenant(path: Path, tenant: str) -> str:
-    """Add `tenant` with a new key to the file (created 0600 if missing); return the key."""
-    check_tenant_id(tenant)
+
+def key_id(key_hash: str) -> str:
+    """A key's public id: the first 12 hex digits of its hash (what `list` shows and `retire`
+    takes; the key itself is never stored)."""
+    return key_hash[:KEY_ID_CHARS]
+
+
+def _new_key() -> tuple[str, str]:
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    return key, hash_key(key)
+
+
+def _edit(path: Path, change):
+    """Apply `change` to the file's `[tenants]` table and write it back atomically (0600); the
+    file is read only if it loads, and the new one replaces it only if it loads."""
     path = Path(path)
+    data: dict = {}
     if path.exists():
         TenantsFile.load(path)  # never rewrite a file we could not read
-    data = tomllib.loads(path.read_text()) if path.exists() else {}
-    key = KEY_PREFIX + secrets.token_urlsafe(32)
-    data.setdefault("tenants", {}).setdefault(tenant, {}).setdefault("key_sha256", []).append(hash_key(key))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        tomli_w.dump(data, f)
-    TenantsFile.load(path)  # what we wrote must load
+        data = tomllib.loads(path.read_text())
+    out = change(data.setdefault("tenants", {}))
+    write_atomically(path, tomli_w.dumps(data).encode())
+    return out
+
+
+def write_atomically(path: Path, raw: bytes) -> None:
+    """Readers (the gateway's reload) see the old file or the new one, never a half-written one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        TenantsFile.load(Path(tmp))  # what we write must load
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def add_tenant(path: Path, tenant: str) -> str:
+    """Add `tenant` (or a key for it) with a new key to the file (created 0600 if missing); return the key."""
+    check_tenant_id(tenant)
+    key, h = _new_key()
+    _edit(path, lambda t: t.setdefault(tenant, {}).setdefault("key_sha256", []).append(h))
     return key
+
+
+def rotate_key(path: Path, tenant: str) -> str:
+    """A new key for an existing tenant, beside its others (retire the old one once clients moved)."""
+
+    def change(t):
+        _require(tenant in t, f"{path}: no tenant {tenant!r} (add it first)")
+        t[tenant].setdefault("key_sha256", []).append(h)
+
+    key, h = _new_key()
+    _edit(path, change)
+    return key
+
+
+def retire_key(path: Path, kid: str) -> str:
+    """Remove the key with this id; return its tenant. A tenant's last key is not retired (remove
+    the tenant instead), so a tenant is never left unable to authenticate by accident."""
+
+    def change(t):
+        found = [(tenant, h) for tenant, e in t.items() for h in e.get("key_sha256", []) if key_id(h) == kid]
+        _require(len(found) == 1, f"{path}: no key with id {kid!r} (python -m glm53_serving.tenants list {path})")
+        tenant, h = found[0]
+        _require(len(t[tenant]["key_sha256"]) > 1, f"{path}: {kid} is {tenant}'s last key: remove the tenant instead")
+        t[tenant]["key_sha256"].remove(h)
+        return tenant
+
+    return _edit(path, change)
+
+
+def remove_tenant(path: Path, tenant: str) -> None:
+    def change(t):
+        _require(tenant in t, f"{path}: no tenant {tenant!r}")
+        del t[tenant]
+
+    _edit(path, change)
+
+
+class LiveTenants:
+    """The gateway's tenants: the file in force, reloaded when it changes (its stat, polled) or on
+    request (SIGHUP). A file that does not load never replaces the one in force: the error is
+    logged and counted, and the old keys keep working until a good file arrives."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.current = TenantsFile.load(self.path)
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def tenant_of(self, authorization: str | None) -> str | None:
+        return self.current.tenant_of(authorization)
+
+    def reload(self, force: bool = False) -> str | None:
+        """Load the file if it changed (or `force`): "ok" (the new one is in force), "error" (the
+        old one stays), or None (unchanged)."""
+        stamp = self._stat()
+        if stamp == self._stamp and not force:
+            return None
+        self._stamp = stamp  # a bad file is reported once, not at every poll
+        try:
+            new = TenantsFile.load(self.path)
+        except (TenantsError, OSError) as e:
+            logger.error("tenants file not reloaded, the previous one stays in force: %s", e)
+            return "error"
+        self.current = new
+        logger.info("tenants reloaded from %s: %d tenants, %d keys", self.path, len(new.keys()), len(new.by_hash))
+        return "ok"
 
 
 # --- assertions: gateway -> workers -------------------------------------------------------
@@ -244,9 +366,19 @@ def cache_salt(key: bytes, tenant: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm53_serving.tenants", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("add", help="add a tenant (or a new key for one) and print the key once")
-    a.add_argument("file", type=Path)
-    a.add_argument("tenant")
+    for name, help_ in (
+        ("add", "add a tenant (or a new key for one) and print the key once"),
+        ("rotate", "a new key for an existing tenant, beside its others; print it once"),
+        ("remove", "remove a tenant and every key of it"),
+    ):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("file", type=Path)
+        c.add_argument("tenant")
+    r = sub.add_parser("retire", help="remove one key by its id (from list); never a tenant's last key")
+    r.add_argument("file", type=Path)
+    r.add_argument("key_id")
+    for name, help_ in (("list", "each tenant and its key ids"), ("check", "validate a tenants file")):
+        sub.add_parser(name, help=help_).add_argument("file", type=Path)
     k = sub.add_parser("new-key", help="create the deployment's assertion key (0600; refuses to overwrite)")
     k.add_argument("key_file", type=Path)
     t = sub.add_parser("admin-token", help="print an admin assertion for a worker's control endpoints")
@@ -258,15 +390,28 @@ def main(argv: list[str] | None = None) -> int:
         help="the deployment it is for ([tenants] deployment; default the topology file's name, e.g. cpu)",
     )
     args = p.parse_args(argv)
+    reload_note = "a running gateway takes the change within a second (or at once on SIGHUP)"
     try:
-        if args.cmd == "add":
-            key = add_tenant(args.file, args.tenant)
+        if args.cmd in ("add", "rotate"):
+            key = (add_tenant if args.cmd == "add" else rotate_key)(args.file, args.tenant)
             print(key)
             print(
-                f"added a key for tenant {args.tenant!r} to {args.file}; this key is not stored and will not "
-                "be shown again",
+                f"{args.tenant}: new key {key_id(hash_key(key))} in {args.file}; the key is not stored and will not be "
+                f"shown again; {reload_note}",
                 file=sys.stderr,
             )
+        elif args.cmd == "retire":
+            tenant = retire_key(args.file, args.key_id)
+            print(f"{tenant}: key {args.key_id} retired; {reload_note}", file=sys.stderr)
+        elif args.cmd == "remove":
+            remove_tenant(args.file, args.tenant)
+            print(f"{args.tenant} removed; {reload_note}", file=sys.stderr)
+        elif args.cmd == "list":
+            for tenant, kids in sorted(TenantsFile.load(args.file).keys().items()):
+                print(f"{tenant}\t{' '.join(kids)}")
+        elif args.cmd == "check":
+            keys = TenantsFile.load(args.file).keys()
+            print(f"{args.file}: ok, {len(keys)} tenants, {sum(map(len, keys.values()))} keys")
         elif args.cmd == "new-key":
             print(f"created {new_assertion_key(args.key_file)}", file=sys.stderr)
         else:

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("GLM53_DEPLOYMENT_LIMITS is not set: the gateway enforces the deployment's limit and needs it")
     try:
         key = tenants.load_assertion_key()
-        tenants_file = tenants.TenantsFile.load(a.tenants_file) if a.tenants_file else None
+        tenants_file = tenants.LiveTenants(a.tenants_file) if a.tenants_file else None
     except tenants.TenantsError as e:
         p.error(str(e))
     if (a.tenants_file is None) != (key is None):
@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         a.port,
         f", http://{a.operator_host or a.host}:{a.operator_port} (operator: /metrics)" if a.operator_port else "",
         a.upstream,
-        f"on ({len(set(tenants_file.by_hash.values()))} from {a.tenants_file})" if tenants_file else "OFF",
+        f"on ({len(tenants_file.current.keys())} from {a.tenants_file}, reloaded on change or SIGHUP)"
+        if tenants_file
+        else "OFF",
         limits,
     )
     server.run(sockets=sockets)

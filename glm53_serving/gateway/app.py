@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
+import signal
 import time
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ DEPLOYMENT_FIELDS = (
     "disagg_prefill_dp_rank",
 )
 _PASS_RESPONSE_HEADERS = {"content-type", "cache-control"}
+# How often the gateway looks at the tenants file (one stat): a retired key is refused within this.
+TENANTS_POLL_S = 1.0
 # Prompts longer than this are encoded off the event loop: every stream through the gateway waits
 # while the loop encodes (~2 µs a token here), and the tokenizer releases the GIL.
 ENCODE_ON_LOOP_MAX_CHARS = 4096
@@ -75,7 +78,8 @@ class GatewayConfig:
     max_body_bytes: int  # the deployment's ([gateway] in the topology file, its one default)
     upstream_timeout_s: float
     connect_timeout_s: float = 5.0
-    tenants: tenants.TenantsFile | None = None  # None: tenants off (one trust domain)
+    # None: tenants off (one trust domain). LiveTenants: the file, reloaded when it changes.
+    tenants: tenants.TenantsFile | tenants.LiveTenants | None = None
     assertion_key: bytes | None = None  # signs the tenant assertions workers verify
     max_n: int = validation.MAX_N  # validation.MAX_N_PD behind a PD router
     # The operator's listener (metrics): a port of its own, never the client port. None: no metrics.
@@ -142,6 +146,13 @@ class Gateway:
                 registry=self.registry,
             ),
         )
+        self.tenants_reloads = Counter(
+            "glm53_gateway_tenants_reloads",
+            "Reloads of the tenants file: ok (in force) or error (the previous file stays in force)",
+            ["result"],
+            registry=self.registry,
+        )
+        self._watch: asyncio.Task | None = None
         self.assertions = tenants.AssertionCache(cfg.assertion_key) if cfg.assertion_key else None
         # Two threads: long prompts wait their turn rather than take every core from the workers.
         self._encoders = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="glm53-encode")
@@ -157,8 +168,26 @@ class Gateway:
             # The body and its content type are the client's, passed as they came.
             skip_auto_headers=("Content-Type", "Accept-Encoding", "User-Agent"),
         )
+        if isinstance(self.cfg.tenants, tenants.LiveTenants):
+            self._watch = asyncio.create_task(self._watch_tenants())
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_tenants, True)
+
+    async def _watch_tenants(self) -> None:
+        while True:
+            await asyncio.sleep(TENANTS_POLL_S)
+            self.reload_tenants()
+
+    def reload_tenants(self, force: bool = False) -> None:
+        """A changed tenants file takes effect for requests that start after it (running streams
+        were authenticated when they began); a bad one never replaces the good one."""
+        result = self.cfg.tenants.reload(force)
+        if result is not None:
+            self.tenants_reloads.labels(result=result).inc()
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         if self._session is not None:
             await self._session.close()
         self._encoders.shutdown(wait=False, cancel_futures=True)

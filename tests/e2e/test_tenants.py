@@ -3,10 +3,15 @@ gateway, verified assertions at the workers, server-side cache namespaces, owned
 requests, the trusted PD handoff, operator-only control endpoints, and session affinity."""
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import psutil
@@ -464,3 +469,77 @@ def test_one_tenants_burst_of_bad_requests_does_not_deny_service_to_another(pd):
     assert outcomes == [(200, expected)] * 15  # 100% success, correct output, during the burst
     assert all(400 <= status < 500 and code for status, code in refused), set(refused)
     assert {400, 401} <= {status for status, _ in refused}
+
+
+# --- key lifecycle on a running deployment -----------------------------------------------------
+
+
+def tenants_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "glm53_serving.tenants", *map(str, args)], capture_output=True, text=True, check=True
+    )
+
+
+def seconds_until(run, key, status, bound_s=5.0) -> float:
+    """How long until a request with `key` gets `status` at the gateway (fails past `bound_s`)."""
+    t0 = time.monotonic()
+    while True:
+        r = httpx.post(f"{run.url}/generate", json=GEN, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        if r.status_code == status:
+            if status == 401:
+                assert_error(r, 401, "invalid_api_key")
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < bound_s, f"still {r.status_code} after {bound_s} s: {r.text[:300]}"
+        time.sleep(0.05)
+
+
+def test_keys_are_added_rotated_and_retired_on_a_running_gateway_without_dropping_a_stream(single):
+    """No restart: a new tenant is served within seconds, a retired key is refused within
+    seconds, and a stream that began with the retired key runs to its end."""
+    run = single
+    f = Path(run.info["tenants"]["file"])
+    good = f.read_bytes()
+    gateway = next(p["pid"] for p in run.info["processes"] if p["name"] == "gateway")
+    try:
+        old = tenants_cli("add", f, "rotator").stdout.strip()
+        took = {"add": seconds_until(run, old, 200)}
+        first, done = threading.Event(), {}
+
+        def stream():
+            body = {"input_ids": [5, 6, 7, 8], "stream": True, "sampling_params": {"max_new_tokens": 400}}
+            headers = {"Authorization": f"Bearer {old}"}
+            with httpx.stream("POST", f"{run.url}/generate", json=body, headers=headers, timeout=300) as r:
+                done["status"], chunks = r.status_code, []
+                for chunk in r.iter_text():
+                    first.set()
+                    chunks.append(chunk)
+                done["text"] = "".join(chunks)
+            first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        new = tenants_cli("rotate", f, "rotator").stdout.strip()
+        took["rotate"] = seconds_until(run, new, 200)
+        tenants_cli("retire", f, tenants.key_id(tenants.hash_key(old)))
+        took["retire"] = seconds_until(run, old, 401)
+        assert not done, "the stream ended before the key was retired: make it longer"
+        t.join(300)
+        assert done["status"] == 200 and "[DONE]" in done["text"] and '"error"' not in done["text"], done
+        assert done["text"].count('"output_ids"') >= 300  # every token, after the key was retired too
+        print(f"key lifecycle on a running gateway, seconds until in force: {took}")
+
+        # A broken file never replaces the good one; SIGHUP reloads at once.
+        before = metric(run.info["operator_url"], "glm53_gateway_tenants_reloads_total", result="error")
+        f.write_text("[tenants\n")
+        os.kill(gateway, signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while metric(run.info["operator_url"], "glm53_gateway_tenants_reloads_total", result="error") == before:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert (
+            seconds_until(run, new, 200) < 1 and seconds_until(run, run.client_headers()["Authorization"][7:], 200) < 1
+        )
+    finally:
+        f.write_bytes(good)  # rotator gone, demo and demo-b as they were
+    assert seconds_until(run, new, 401) < 5

@@ -292,3 +292,33 @@ def test_upstream_codes_outside_the_contract_reach_clients_and_metrics_as_upstre
             }
         text = gw.get(f"http://testserver:{OPERATOR_PORT}/metrics").text
         assert "invalid_messages" not in text and 'reason="upstream_error"' in text
+
+
+def test_the_gateway_takes_tenant_changes_without_a_restart_and_keeps_a_good_file_over_a_bad_one(upstream, tmp_path):
+    from glm53_serving.gateway import app as gateway_app
+
+    f = tmp_path / "tenants.toml"
+    old = tenants.add_tenant(f, "acme")
+    cfg = gateway_config(upstream, tenants=tenants.LiveTenants(f), assertion_key=KEY)
+    with TestClient(build_app(cfg)) as gw:
+
+        def status(key, within_s=3 * gateway_app.TENANTS_POLL_S, want=None):
+            """The status a key gets, waiting up to `within_s` for it to become `want`."""
+            deadline = time.monotonic() + within_s
+            while True:
+                code = gw.post("/generate", json=BODY, headers={"Authorization": f"Bearer {key}"}).status_code
+                if want is None or code == want or time.monotonic() > deadline:
+                    return code
+                time.sleep(0.1)
+
+        assert status(old) == 200
+        new = tenants.rotate_key(f, "acme")
+        assert status(new, want=200) == 200 and status(old) == 200  # both during the move
+        tenants.retire_key(f, tenants.key_id(tenants.hash_key(old)))
+        assert status(old, want=401) == 401 and status(new) == 200
+        f.write_text("[tenants\n")
+        time.sleep(2 * gateway_app.TENANTS_POLL_S)
+        assert status(new) == 200  # the good file stays in force
+        text = gw.get(f"http://testserver:{OPERATOR_PORT}/metrics").text
+        assert 'glm53_gateway_tenants_reloads_total{result="error"} 1.0' in text
+        assert 'glm53_gateway_tenants_reloads_total{result="ok"} 2.0' in text

@@ -234,3 +234,75 @@ def test_control_endpoints_are_admin_and_unknown_paths_fail_closed():
     assert access_of("/v1/responses/resp_123") is Access.ADMIN
     assert access_of("/v1/models/glm53-tiny") is Access.OPEN
     assert access_of("/metrics") is Access.OPEN and access_of("/health") is Access.OPEN
+
+
+# --- key lifecycle ---------------------------------------------------------------------------
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "glm53_serving.tenants", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+
+
+def test_rotate_then_retire_moves_a_tenant_to_a_new_key_without_a_gap(tmp_path):
+    f = tmp_path / "t.toml"
+    old = cli("add", f, "acme").stdout.strip()
+    beta = cli("add", f, "beta").stdout.strip()
+    r = cli("rotate", f, "acme")
+    new = r.stdout.strip()
+    old_id, new_id = tenants.key_id(tenants.hash_key(old)), tenants.key_id(tenants.hash_key(new))
+    assert new_id in r.stderr and new not in r.stderr
+    t = tenants.TenantsFile.load(f)
+    assert t.tenant_of(f"Bearer {old}") == t.tenant_of(f"Bearer {new}") == "acme"  # both, during the move
+    listed = cli("list", f).stdout
+    assert f"acme\t{old_id} {new_id}" in listed and new not in listed and old not in listed
+    assert cli("retire", f, old_id).returncode == 0
+    t = tenants.TenantsFile.load(f)
+    assert t.tenant_of(f"Bearer {old}") is None and t.tenant_of(f"Bearer {new}") == "acme"
+    assert t.tenant_of(f"Bearer {beta}") == "beta"
+    assert oct(f.stat().st_mode & 0o777) == "0o600"
+    for args, words in (
+        (("retire", f, new_id), "last key"),  # never leaves a tenant without a key by accident
+        (("retire", f, "0" * 12), "no key with id"),
+        (("rotate", f, "gamma"), "no tenant"),
+        (("remove", f, "gamma"), "no tenant"),
+    ):
+        r = cli(*args)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert cli("remove", f, "acme").returncode == 0
+    assert tenants.TenantsFile.load(f).keys() == {"beta": [tenants.key_id(tenants.hash_key(beta))]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.toml"]  # no temporary file left behind
+
+
+def test_check_validates_and_a_bad_file_is_never_rewritten(tmp_path):
+    f = tmp_path / "t.toml"
+    cli("add", f, "acme")
+    r = cli("check", f)
+    assert r.returncode == 0 and "ok, 1 tenants, 1 keys" in r.stdout
+    f.write_text('[tenants.admin]\nkey_sha256 = ["' + "0" * 64 + '"]\n')
+    r = cli("check", f)
+    assert r.returncode == 2 and "reserved" in r.stderr
+    before = f.read_bytes()
+    for args in (("add", f, "beta"), ("rotate", f, "admin"), ("remove", f, "admin")):
+        assert cli(*args).returncode == 2
+    assert f.read_bytes() == before
+
+
+def test_live_tenants_take_a_good_file_and_keep_the_old_one_over_a_bad_one(tmp_path):
+    f = tmp_path / "t.toml"
+    a = tenants.add_tenant(f, "acme")
+    live = tenants.LiveTenants(f)
+    assert live.reload() is None  # unchanged
+    b = tenants.add_tenant(f, "beta")
+    assert live.reload() == "ok" and live.tenant_of(f"Bearer {b}") == "beta"
+    f.write_text("[tenants\n")  # an editor's half-saved file
+    assert live.reload() == "error" and live.reload() is None  # reported once
+    assert live.tenant_of(f"Bearer {a}") == "acme" and live.tenant_of(f"Bearer {b}") == "beta"
+    f.unlink()
+    assert live.reload() == "error" and live.tenant_of(f"Bearer {a}") == "acme"
+    f.write_text(f'[tenants.acme]\nkey_sha256 = ["{tenants.hash_key(a)}"]\n')
+    assert live.reload() == "ok" and live.tenant_of(f"Bearer {b}") is None
