@@ -19,6 +19,7 @@ CONTRACT: dict[str, tuple[int, str]] = {
     "invalid_api_key": (401, "invalid_request_error"),
     "permission_denied": (403, "invalid_request_error"),
     "not_found": (404, "invalid_request_error"),
+    "rate_limit_exceeded": (429, "rate_limit_error"),
     "internal_error": (500, "server_error"),
     "kv_isolation_violation": (500, "server_error"),
     "kv_handoff_mismatch": (500, "server_error"),

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import jwt
@@ -91,10 +91,42 @@ def bearer(authorization: str | None) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """A tenant's fair share at the gateway (gateway/fair_share.py); 0: unlimited."""
+
+    concurrent: int = 0
+    requests_per_minute: int = 0
+    prompt_tokens_per_minute: int = 0
+    queue_wait_s: float = 0.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            v, kind = getattr(self, f.name), (int | float) if f.name == "queue_wait_s" else int
+            _require(
+                not isinstance(v, bool) and isinstance(v, kind) and v >= 0,
+                f"limits.{f.name} must be {'a number' if kind is not int else 'an integer'} >= 0, not {v!r}",
+            )
+
+    def over(self, table: dict | None) -> TenantLimits:
+        """These limits with a tenant's own table over them (unknown keys refused)."""
+        if not table:
+            return self
+        _require(isinstance(table, dict), f"limits must be a table, not {table!r}")
+        unknown = set(table) - {f.name for f in fields(self)}
+        _require(not unknown, f"limits: unknown {sorted(unknown)} (known: {[f.name for f in fields(self)]})")
+        return replace(self, **table)
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, f.name) for f in fields(self) if f.name != "queue_wait_s")
+
+
+@dataclass(frozen=True, slots=True)
 class TenantsFile:
     """`[tenants.<id>] key_sha256 = ["<hex>", ...]`: several hashes per tenant allow key rotation."""
 
     by_hash: dict[str, str]
+    limits: dict[str, dict] = field(default_factory=dict)  # tenant -> its own `limits` table
 
     @classmethod
     def load(cls, path: Path) -> TenantsFile:
@@ -109,8 +141,15 @@ class TenantsFile:
         entries = data.get("tenants", {})
         _require(isinstance(entries, dict), f"{path}: [tenants] must be a table of tenants")
         by_hash: dict[str, str] = {}
+        limits: dict[str, dict] = {}
         for tenant, entry in entries.items():
             check_tenant_id(tenant, f"{path}: [tenants.{tenant}]")
+            if isinstance(entry, dict) and "limits" in entry:
+                try:
+                    TenantLimits().over(entry["limits"])
+                except TenantsError as e:
+                    raise TenantsError(f"{path}: {tenant}: {e}") from None
+                limits[tenant] = dict(entry["limits"])
             hashes = entry.get("key_sha256", []) if isinstance(entry, dict) else None
             _require(isinstance(hashes, list), f"{path}: {tenant}: key_sha256 must be a list of SHA-256 hex digests")
             for h in hashes:
@@ -120,7 +159,7 @@ class TenantsFile:
                 )
                 _require(h not in by_hash, f"{path}: one key hash listed for {by_hash.get(h)} and {tenant}")
                 by_hash[h] = tenant
-        return cls(by_hash)
+        return cls(by_hash, limits)
 
     def tenant_of(self, authorization: str | None) -> str | None:
         """The tenant of an `Authorization: Bearer <key>` header, or None."""

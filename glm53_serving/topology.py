@@ -7,6 +7,7 @@ fails before any process starts.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from glm53_serving import cpu, env
+from glm53_serving import cpu, env, tenants
 from glm53_serving.admission import Capacity, Limits
 from glm53_serving.validation import MAX_N, MAX_N_PD
 
@@ -121,10 +122,18 @@ class TenantsConf:
     # The audience of those assertions ("glm53:<deployment>"); default: the topology file's name.
     # Give deployments that could share a key (staging, production) distinct names.
     deployment: str | None = None
+    # Every tenant's fair share at the gateway (gateway/fair_share.py: concurrent,
+    # requests_per_minute, prompt_tokens_per_minute, queue_wait_s; 0 or absent: unlimited); a
+    # tenant's own `limits` table in the tenants file overrides it.
+    limits: dict = field(default_factory=dict)
 
     def __post_init__(self):
         _require(self.mode in ("demo", "file", "off"), f"tenants.mode must be demo, file or off, not {self.mode!r}")
         _require((self.mode == "file") == (self.file is not None), 'tenants: set file exactly when mode = "file"')
+        try:
+            tenants.TenantLimits().over(self.limits)
+        except tenants.TenantsError as e:
+            raise TopologyError(f"[tenants.limits]: {e}") from None
         _require(
             self.deployment is None or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.deployment) is not None,
             f"tenants.deployment: {self.deployment!r} is not a name (letters, digits, '.', '_', '-')",
@@ -424,6 +433,7 @@ class Topology:
             "--max-n",
             str(MAX_N if self.topology == "single" else MAX_N_PD),
             *([] if operator_port is None else ["--operator-port", str(operator_port)]),
+            *(["--tenant-limits", json.dumps(self.tenants.limits)] if self.tenants.limits else []),
             *([] if tenants_file is None else ["--tenants-file", str(tenants_file)]),
         ]
 

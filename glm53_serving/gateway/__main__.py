@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import socket
 from pathlib import Path
@@ -40,15 +41,21 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help=f"API key hashes -> tenants; needs ${tenants.KEY_FILE_ENV}. Without it: no authentication",
     )
+    p.add_argument(
+        "--tenant-limits",
+        default="{}",
+        help="JSON: every tenant's fair share (tenants.TenantLimits); a tenant's own limits in the file override it",
+    )
     p.add_argument("--max-n", type=int, default=validation.MAX_N, help="largest `n` (samples per request) to accept")
     a = p.parse_args(argv)
     limits = Limits.from_env()
     if limits is None:
         p.error("GLM53_DEPLOYMENT_LIMITS is not set: the gateway enforces the deployment's limit and needs it")
     try:
+        tenant_limits = tenants.TenantLimits().over(json.loads(a.tenant_limits))
         key = tenants.load_assertion_key()
         tenants_file = tenants.LiveTenants(a.tenants_file) if a.tenants_file else None
-    except tenants.TenantsError as e:
+    except (tenants.TenantsError, json.JSONDecodeError) as e:
         p.error(str(e))
     if (a.tenants_file is None) != (key is None):
         p.error(f"--tenants-file and ${tenants.KEY_FILE_ENV} go together (tenants on), or neither (off)")
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         tenants=tenants_file,
         assertion_key=key,
         operator_port=a.operator_port,
+        tenant_limits=tenant_limits,
     )
     # One server on two sockets: the app tells the operator's connections by the socket they came in on.
     sockets = [socket.create_server((a.host, a.port))]

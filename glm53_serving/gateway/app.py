@@ -26,7 +26,9 @@ from glm53_serving import tenants, validation
 from glm53_serving.admission import Limits, check
 from glm53_serving.errors import ClientError, error_body
 from glm53_serving.gateway import upstream_errors
+from glm53_serving.gateway.fair_share import FairShare
 from glm53_serving.gateway.tokens import PromptCounter, Uncountable
+from glm53_serving.tenants import TenantLimits
 from glm53_serving.validation import RequestChecks
 
 logger = logging.getLogger("glm53_serving.gateway")
@@ -84,6 +86,8 @@ class GatewayConfig:
     max_n: int = validation.MAX_N  # validation.MAX_N_PD behind a PD router
     # The operator's listener (metrics): a port of its own, never the client port. None: no metrics.
     operator_port: int | None = None
+    # Every tenant's fair share unless its own `limits` in the tenants file say otherwise.
+    tenant_limits: TenantLimits = TenantLimits()
 
     def __post_init__(self):
         # Not `assert`: a gateway without its tenants would serve everyone (python -O drops asserts).
@@ -153,6 +157,7 @@ class Gateway:
             registry=self.registry,
         )
         self._watch: asyncio.Task | None = None
+        self.fair = FairShare(cfg.tenant_limits, self._tenant_limits)
         self.assertions = tenants.AssertionCache(cfg.assertion_key) if cfg.assertion_key else None
         # Two threads: long prompts wait their turn rather than take every core from the workers.
         self._encoders = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="glm53-encode")
@@ -201,6 +206,11 @@ class Gateway:
             raise ClientError("invalid_api_key", "Missing or unknown API key. Send 'Authorization: Bearer <key>'.")
         return tenant
 
+    def _tenant_limits(self, tenant: str) -> dict | None:
+        live = self.cfg.tenants
+        current = live.current if isinstance(live, tenants.LiveTenants) else live
+        return current.limits.get(tenant) if current is not None else None
+
     # --- body ---------------------------------------------------------------------------------
 
     async def read_body(self, request: Request) -> bytes:
@@ -237,19 +247,38 @@ class Gateway:
         """Authenticate, read the body within the limit, let `judge` refuse it, then forward."""
         started = time.perf_counter()
         endpoint = request.scope["path"]
-        tenant = UNAUTHENTICATED
+        tenant, slot = UNAUTHENTICATED, None
         try:
             tenant = self.authenticate(request)
             raw = await self.read_body(request)
-            if judge is not None:
-                await judge(request, endpoint, raw)
+            prompt_tokens = await judge(request, endpoint, raw, tenant) if judge is not None else None
+            if judge is not None:  # generation: the tenant's fair share (fair_share.py)
+                self.fair.charge(tenant, prompt_tokens or 0)
+                slot = await self.fair.enter(tenant)
         except ClientError as e:
-            return self._error(tenant, endpoint, e.status, e.body())
+            response = self._error(tenant, endpoint, e.status, e.body())
+            if e.code == "rate_limit_exceeded":
+                response.headers["retry-after"] = str(e.details["retry_after_s"])
+            return response
         except ClientDisconnect:
             return Response(status_code=499)
-        return await self.forward(request, tenant, endpoint, raw, started)
+        if slot is None:
+            return await self.forward(request, tenant, endpoint, raw, started)
+        try:
+            response = await self.forward(request, tenant, endpoint, raw, started)
+        except BaseException:
+            slot.release()
+            raise
+        if isinstance(response, UpstreamStream):
+            response.on_done = slot.release  # held until the answer's last byte (or the client leaves)
+        else:
+            slot.release()
+        return response
 
-    async def judge_generation(self, request: Request, endpoint: str, raw: bytes) -> None:
+    async def judge_generation(self, request: Request, endpoint: str, raw: bytes, tenant: str) -> int | None:
+        """Refuse the request (ClientError) or return its prompt's token count; None where it was
+        not counted (not ours to count, or short enough to skip encoding and its tenant has no
+        prompt-token budget)."""
         # The workers' own validation, here first: behind the router a worker's 400 loses its
         # `param` (PD bodies are rewritten) and the router judges some fields by other bounds.
         body = validation.parse_body(raw, request.headers.get("content-type"))
@@ -262,17 +291,18 @@ class Gateway:
         try:
             prompt, max_new = self.counter.prompt_of(endpoint, body)
         except Uncountable:
-            return  # not ours to judge: the worker validates it with its own checks
+            return None  # not ours to judge: the worker validates it with its own checks
         if isinstance(prompt, str):
             bound = self.counter.at_most(prompt)
-            if bound is not None:
+            if bound is not None and not self.fair.counts_tokens(tenant):
                 try:
                     check(self.cfg.limits, bound, max_new, prompt_param=prompt_param(endpoint, body))
-                    return  # fits even at one token a byte: no need to encode
+                    return None  # fits even at one token a byte: no need to encode
                 except ClientError:
                     pass  # the bound does not decide; the count does
             prompt = await self.encode(prompt)
         check(self.cfg.limits, prompt, max_new, prompt_param=prompt_param(endpoint, body))
+        return prompt
 
     async def encode(self, text: str) -> int:
         if len(text) <= ENCODE_ON_LOOP_MAX_CHARS:
@@ -449,6 +479,7 @@ class UpstreamStream(Response):
 
     def __init__(self, upstream: aiohttp.ClientResponse, sent: float, timing: UpstreamTiming):
         self.upstream, self.sent, self.timing = upstream, sent, timing
+        self.on_done = None  # called once the answer is over, however it ended (the tenant's slot)
         self.status_code = upstream.status
         self.raw_headers = [
             (k.lower().encode("latin-1"), v.encode("latin-1"))
@@ -484,3 +515,5 @@ class UpstreamStream(Response):
         finally:
             watch.cancel()
             upstream.release() if done else upstream.close()
+            if self.on_done is not None:
+                self.on_done()

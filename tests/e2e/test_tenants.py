@@ -550,3 +550,46 @@ def test_keys_are_added_rotated_and_retired_on_a_running_gateway_without_droppin
     finally:
         f.write_bytes(good)  # rotator gone, demo and demo-b as they were
     assert seconds_until(run, new, 401) < 5
+
+
+def test_a_tenant_over_its_fair_share_gets_429_while_another_is_served(single):
+    """demo-b's own limit (one request at a time, no queue), set in the running gateway's
+    tenants file: its concurrent requests beyond one are 429 with Retry-After, never 5xx, while
+    demo's are all served."""
+    run = single
+    f = Path(run.info["tenants"]["file"])
+    good = f.read_bytes()
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+    try:
+        f.write_text(good.decode() + '\n[tenants."demo-b".limits]\nconcurrent = 1\n')
+        time.sleep(2.5)  # the gateway's poll (1 s)
+        results = []
+
+        def send(tenant):
+            r = httpx.post(f"{run.url}/generate", json=body, headers=run.client_headers(tenant), timeout=120)
+            results.append((tenant, r))
+
+        threads = [threading.Thread(target=send, args=(t,)) for t in ["demo-b"] * 4 + ["demo"] * 3]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        b = [r for tenant, r in results if tenant == "demo-b"]
+        a = [r for tenant, r in results if tenant == "demo"]
+        assert all(r.status_code == 200 for r in a), [r.text[:200] for r in a]
+        assert 1 <= sum(r.status_code == 200 for r in b) < 4 and all(r.status_code in (200, 429) for r in b)
+        for r in b:
+            if r.status_code == 429:
+                err = assert_error(r, 429, "rate_limit_exceeded")
+                assert (
+                    r.headers["retry-after"] == str(err["retry_after_s"])
+                    and "concurrent requests (1)" in err["message"]
+                )
+        assert metric(run.info["operator_url"], "glm53_gateway_requests_total", tenant="demo-b", status="429") >= 1
+    finally:
+        f.write_bytes(good)
+        time.sleep(2.5)
+    assert (
+        httpx.post(f"{run.url}/generate", json=body, headers=run.client_headers("demo-b"), timeout=120).status_code
+        == 200
+    )

@@ -113,7 +113,7 @@ def _completion(prompt: str) -> bytes:
 def test_a_prompt_over_the_limit_in_bytes_but_not_in_tokens_is_admitted(gw):
     text = "hello world " * 200  # 2,400 bytes, far fewer tokens
     assert len(text.encode()) > 505 and gw.counter.encode(text) + 4 <= 510
-    asyncio.run(gw.judge_generation(JsonRequest, "/v1/completions", _completion(text)))
+    asyncio.run(gw.judge_generation(JsonRequest, "/v1/completions", _completion(text), "acme"))
 
 
 @pytest.mark.parametrize("size", [300, 3000, 40_000])  # on the loop, and off it
@@ -122,7 +122,7 @@ def test_a_prompt_over_the_limit_in_tokens_is_refused_with_its_count(gw, size):
     n = gw.counter.encode(text)
     assert n >= 506
     with pytest.raises(ClientError) as e:
-        asyncio.run(gw.judge_generation(JsonRequest, "/v1/completions", _completion(text)))
+        asyncio.run(gw.judge_generation(JsonRequest, "/v1/completions", _completion(text), "acme"))
     assert e.value.code == "context_length_exceeded" and e.value.details["prompt_tokens"] == n
 
 
@@ -134,7 +134,10 @@ def test_a_long_prompt_is_encoded_without_stalling_the_event_loop(gw):
     encode_s = time.perf_counter() - t0
 
     async def main():
-        gaps, judged = [], asyncio.create_task(gw.judge_generation(JsonRequest, "/v1/completions", _completion(text)))
+        gaps, judged = (
+            [],
+            asyncio.create_task(gw.judge_generation(JsonRequest, "/v1/completions", _completion(text), "acme")),
+        )
         last = time.perf_counter()
         while not judged.done():
             await asyncio.sleep(0.005)
