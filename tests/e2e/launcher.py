@@ -7,10 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 
 from glm53_serving import tenants
@@ -110,3 +112,47 @@ def alive(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+class SlowStream(threading.Thread):
+    """A `max_new`-token /generate stream read slowly (20 ms a line: >= 8 s at the client for 400
+    tokens), so it is still open while a test changes something under it (a key retired, the
+    launcher stopped). After join(): status, request id, text, completion_tokens."""
+
+    def __init__(self, url: str, headers: dict, max_new: int = 400):
+        super().__init__(daemon=True)
+        self.url, self.headers, self.max_new = url, headers, max_new
+        self.first, self.status, self.rid, self.text = threading.Event(), None, None, None
+
+    def run(self) -> None:
+        body = {
+            "input_ids": [5, 6, 7, 8],
+            "stream": True,
+            "sampling_params": {"max_new_tokens": self.max_new, "temperature": 0, "ignore_eos": True},
+        }
+        try:
+            with httpx.stream("POST", f"{self.url}/generate", json=body, headers=self.headers, timeout=300) as r:
+                self.status, self.rid, lines = r.status_code, r.headers.get("x-request-id"), []
+                for line in r.iter_lines():
+                    self.first.set()
+                    lines.append(line)
+                    time.sleep(0.02)
+                self.text = "\n".join(lines)
+        finally:
+            self.first.set()
+
+    def started(self, timeout: float = 60) -> SlowStream:
+        self.start()
+        assert self.first.wait(timeout)
+        return self
+
+    @property
+    def done(self) -> bool:
+        return self.text is not None
+
+    def assert_whole(self) -> None:
+        """200, every token, no error event, [DONE]."""
+        self.join(300)
+        assert self.status == 200 and self.text and "[DONE]" in self.text and '"error"' not in self.text, self.text
+        last = json.loads([x for x in self.text.splitlines() if x.startswith("data: {")][-1][6:])
+        assert last["meta_info"]["completion_tokens"] == self.max_new

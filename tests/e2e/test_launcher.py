@@ -2,14 +2,13 @@
 
 import json
 import signal
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.launcher import alive, launch, launcher_output, start
+from tests.e2e.launcher import SlowStream, alive, launch, launcher_output, start
 
 pytestmark = pytest.mark.e2e
 
@@ -22,30 +21,14 @@ def wait_exit(proc, timeout=300):
     return rc, time.monotonic() - t0
 
 
-def slow_stream(run, done: dict, first: threading.Event) -> None:
-    """A 400-token stream, read slowly (>= 8 s): still running when the launcher is told to stop."""
-    body = {"input_ids": [5, 6, 7, 8], "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
-    with httpx.stream("POST", f"{run.url}/generate", json=body, headers=run.client_headers(), timeout=300) as r:
-        done["status"], done["rid"], lines = r.status_code, r.headers["x-request-id"], []
-        for line in r.iter_lines():
-            first.set()
-            lines.append(line)
-            time.sleep(0.02)
-        done["text"] = "\n".join(lines)
-    first.set()
-
-
 def test_ctrl_c_drains_the_gateway_then_leaves_no_child_alive_and_no_log_reports_a_crash(tmp_path):
     run = launch(tmp_path, "--topology", "pd")
     pids = run.info["all_pids"]
     # Ready means a real generation went through router, prefill and decode.
     r = httpx.get(f"{run.url}/ready", timeout=60)
     assert r.status_code == 200 and r.json() == {"ready": True}
-    done, first = {}, threading.Event()
-    t = threading.Thread(target=slow_stream, args=(run, done, first))
     sent = time.monotonic()
-    t.start()
-    assert first.wait(60)
+    stream = SlowStream(run.url, run.client_headers()).started()
     run.proc.send_signal(signal.SIGINT)
     stop_after_s = time.monotonic() - sent
     refused_at, t0 = None, time.monotonic()
@@ -55,16 +38,13 @@ def test_ctrl_c_drains_the_gateway_then_leaves_no_child_alive_and_no_log_reports
         except httpx.TransportError:
             refused_at = time.monotonic() - t0
         time.sleep(0.1)
-    assert refused_at is not None and "text" not in done, (refused_at, done.keys())
+    assert refused_at is not None and not stream.done, refused_at
     assert run.proc.wait(120) == 0
-    t.join(60)
-    assert done["status"] == 200 and "[DONE]" in done["text"] and '"error"' not in done["text"], done
-    last = json.loads([x for x in done["text"].splitlines() if x.startswith("data: {")][-1][6:])
-    assert last["meta_info"]["completion_tokens"] == 400  # the running answer finished whole
+    stream.assert_whole()  # the running answer finished whole
     assert "draining gateway" in launcher_output(tmp_path)
     # The drained answer has its audit record, written before the gateway exited.
     rows = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
-    (mine,) = [r for r in rows if r["request_id"] == done["rid"]]
+    (mine,) = [r for r in rows if r["request_id"] == stream.rid]
     assert mine["tenant"] == "demo" and mine["status"] == 200 and mine["code"] is None
     # the gateway was still sending it when the stop began: it drained a live answer
     assert mine["latency_ms"] / 1000 > stop_after_s, (mine, stop_after_s)

@@ -21,7 +21,7 @@ from glm53_serving import tenants
 from glm53_serving.gateway.app import routing_key
 from glm53_serving.tenant_guard import ROUTES, Access
 from glm53_serving.topology import REPO_LAUNCH_DIR
-from tests.e2e.launcher import auth, launch
+from tests.e2e.launcher import SlowStream, auth, launch
 from tests.e2e.test_admission import metric, over_length
 from tests.e2e.test_robustness import serves_normally
 
@@ -506,34 +506,11 @@ def test_keys_are_added_rotated_and_retired_on_a_running_gateway_without_droppin
         new = tenants_cli("rotate", f, "rotator").stdout.strip()
         took["rotate"] = seconds_until(run, new, 200)
         assert seconds_until(run, old, 200) < 1  # both keys during the move
-        first, done = threading.Event(), {}
-
-        def stream():  # the client reads slowly: the stream is still open when the key is retired
-            body = {
-                "input_ids": [5, 6, 7, 8],
-                "stream": True,
-                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
-            }
-            headers = {"Authorization": f"Bearer {old}"}
-            with httpx.stream("POST", f"{run.url}/generate", json=body, headers=headers, timeout=300) as r:
-                done["status"], lines = r.status_code, []
-                for line in r.iter_lines():
-                    first.set()
-                    lines.append(line)
-                    time.sleep(0.02)
-                done["text"] = "\n".join(lines)
-            first.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(60)
+        stream = SlowStream(run.url, {"Authorization": f"Bearer {old}"}).started()
         tenants_cli("retire", f, tenants.key_id(tenants.hash_key(old)))
         took["retire"] = seconds_until(run, old, 401)
-        assert "text" not in done, "the stream ended before the key was retired: make it longer"
-        t.join(300)
-        assert done["status"] == 200 and "[DONE]" in done["text"] and '"error"' not in done["text"], done
-        last = json.loads([x for x in done["text"].splitlines() if x.startswith("data: {")][-1][6:])
-        assert last["meta_info"]["completion_tokens"] == 400  # every token, after the key was retired too
+        assert not stream.done, "the stream ended before the key was retired: make it longer"
+        stream.assert_whole()  # every token, after the key was retired too
         print(f"key lifecycle on a running gateway, seconds until in force: {took}")
 
         # A broken file never replaces the good one; SIGHUP reloads at once.
