@@ -16,6 +16,7 @@ takes it within a second, or at once on SIGHUP):
     python -m glm53_serving.tenants rotate FILE TENANT   a new key beside the old ones
     python -m glm53_serving.tenants retire FILE KEY_ID   remove one key (ids from `list`)
     python -m glm53_serving.tenants remove FILE TENANT   remove a tenant
+    python -m glm53_serving.tenants limits FILE TENANT --concurrent 4 ...   its own fair share
     python -m glm53_serving.tenants list|check FILE      key ids per tenant | validate
     python -m glm53_serving.tenants admin-token KEYFILE --deployment NAME   an admin assertion for curl
 """
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import hashlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -258,6 +260,24 @@ def retire_key(path: Path, kid: str) -> str:
     return _edit(path, change)
 
 
+def set_limits(path: Path, tenant: str, changes: dict, clear: bool = False) -> dict:
+    """Set (or with `clear`, drop first) a tenant's own limits; return them. Validated before the
+    file is written (TenantLimits)."""
+
+    def change(t):
+        _require(tenant in t, f"{path}: no tenant {tenant!r}")
+        limits = {} if clear else dict(t[tenant].get("limits", {}))
+        limits.update(changes)
+        TenantLimits().over(limits)
+        if limits:
+            t[tenant]["limits"] = limits
+        else:
+            t[tenant].pop("limits", None)
+        return limits
+
+    return _edit(path, change)
+
+
 def remove_tenant(path: Path, tenant: str) -> None:
     def change(t):
         _require(tenant in t, f"{path}: no tenant {tenant!r}")
@@ -425,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         c = sub.add_parser(name, help=help_)
         c.add_argument("file", type=Path)
         c.add_argument("tenant")
+    lim = sub.add_parser("limits", help="set a tenant's own fair share (over [tenants.limits]; 0: unlimited)")
+    lim.add_argument("file", type=Path)
+    lim.add_argument("tenant")
+    for f in fields(TenantLimits):
+        lim.add_argument(f"--{f.name.replace('_', '-')}", type=float if f.name == "queue_wait_s" else int)
+    lim.add_argument("--clear", action="store_true", help="drop the tenant's own limits first (defaults again)")
     r = sub.add_parser("retire", help="remove one key by its id (from list); never a tenant's last key")
     r.add_argument("file", type=Path)
     r.add_argument("key_id")
@@ -451,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"shown again; {reload_note}",
                 file=sys.stderr,
             )
+        elif args.cmd == "limits":
+            changes = {f.name: getattr(args, f.name) for f in fields(TenantLimits) if getattr(args, f.name) is not None}
+            limits = set_limits(args.file, args.tenant, changes, args.clear)
+            print(f"{args.tenant}: limits {limits or 'the deployment defaults'}; {reload_note}", file=sys.stderr)
         elif args.cmd == "retire":
             tenant = retire_key(args.file, args.key_id)
             print(f"{tenant}: key {args.key_id} retired; {reload_note}", file=sys.stderr)
@@ -458,8 +488,10 @@ def main(argv: list[str] | None = None) -> int:
             remove_tenant(args.file, args.tenant)
             print(f"{args.tenant} removed; {reload_note}", file=sys.stderr)
         elif args.cmd == "list":
-            for tenant, kids in sorted(TenantsFile.load(args.file).keys().items()):
-                print(f"{tenant}\t{' '.join(kids)}")
+            loaded = TenantsFile.load(args.file)
+            for tenant, kids in sorted(loaded.keys().items()):
+                own = loaded.limits.get(tenant)
+                print(f"{tenant}\t{' '.join(kids)}" + (f"\tlimits {json.dumps(own)}" if own else ""))
         elif args.cmd == "check":
             keys = TenantsFile.load(args.file).keys()
             print(f"{args.file}: ok, {len(keys)} tenants, {sum(map(len, keys.values()))} keys")

@@ -32,6 +32,7 @@ def _env(tmp_path):
         "GLM53_TEST_KV_FOREIGN": "kvfault-foreign",
         "GLM53_TEST_KV_SHORT_HANDOFF": "kvfault-short",
         "GLM53_TEST_KV_LONG_HANDOFF": "kvfault-long",
+        "GLM53_TEST_KV_REBOOTSTRAP_SHORT": "kvfault-rebootstrap",
         "GLM53_TEST_KV_FOREIGN_DECODE": "kvfault-decode",
         "GLM53_TEST_KV_POISON_TAIL": "kvfault-poison",
         "GLM53_TEST_KV_LOG": str(tmp_path / "kv-events.jsonl"),
@@ -80,34 +81,42 @@ def assert_reached_another_tenants_slot(run, rid_prefix, where, n=1):
 
 
 @contextlib.contextmanager
-def another_tenant_decoding(run, tenant="demo"):
-    """`tenant` streams a long generation; inside, its pages are live on every server holding it
-    (PD decode keeps no prefix cache: only a running request owns pages there)."""
-    first, done = threading.Event(), {}
+def another_tenant_decoding(run, tenant="demo", streams=2):
+    """`tenant` keeps long generations decoding for the whole block (`streams` staggered loops of
+    400-token streams, so that one is always running while another starts): its pages are live on
+    every server holding them (PD decode keeps no prefix cache: only a running request owns pages
+    there). Every one of its streams must end whole."""
+    stop, first, ends = threading.Event(), threading.Event(), []
 
-    def stream():
+    def loop():
         body = {
             "input_ids": PROMPT,
             "stream": True,
             "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
         }
-        with httpx.stream(
-            "POST", f"{run.url}/generate", json=body, timeout=300, headers=run.client_headers(tenant)
-        ) as r:
-            done["status"], chunks = r.status_code, []
-            for chunk in r.iter_text():
-                first.set()
-                chunks.append(chunk)
-            done["text"] = "".join(chunks)
-        first.set()
+        while not stop.is_set():
+            with httpx.stream(
+                "POST", f"{run.url}/generate", json=body, timeout=300, headers=run.client_headers(tenant)
+            ) as r:
+                text = []
+                for chunk in r.iter_text():
+                    first.set()
+                    text.append(chunk)
+                ends.append((r.status_code, "".join(text)))
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert first.wait(120)
-    time.sleep(0.5)  # a few decode steps in
+    threads = []
+    for _ in range(streams):
+        threads.append(threading.Thread(target=loop))
+        threads[-1].start()
+        assert first.wait(120)
+        time.sleep(0.8)  # staggered: the loops do not end and restart together
     yield
-    t.join(300)
-    assert done.get("status") == 200 and '"error"' not in done["text"] and "[DONE]" in done["text"], done
+    stop.set()
+    for t in threads:
+        t.join(300)
+    assert ends and all(status == 200 and '"error"' not in text and "[DONE]" in text for status, text in ends), [
+        (status, text[-300:]) for status, text in ends if status != 200 or "[DONE]" not in text
+    ]
 
 
 def metric(url, name, headers, **labels) -> float:
@@ -210,14 +219,18 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
     assert_contract_500(victim, "kv_isolation_violation")
     assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="decode") >= 1
 
-    # The transfer reports one prompt token fewer, or more, than decode pre-allocated: aborted
-    # before decoding, with the contract's code.
+    # The transfer reports one prompt token fewer, or more, than decode pre-allocated (also on a
+    # retraction re-bootstrap): aborted before decoding, with the contract's code.
     before = metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff")
-    for rid, fault in (("kvfault-short-1", "short_handoff"), ("kvfault-long-1", "long_handoff")):
+    for rid, fault in (
+        ("kvfault-short-1", "short_handoff"),
+        ("kvfault-long-1", "long_handoff"),
+        ("kvfault-rebootstrap-1", "rebootstrap_short_handoff"),  # once skipped by the check
+    ):
         r = generate(run, rid=rid)
         assert [e["fault"] for e in faults(run, rid) if "fault" in e] == [fault]
         assert_contract_500(r, "kv_handoff_mismatch")
-    assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= before + 2
+    assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= before + 3
 
     # The servers stay up, and a burst of one tenant's failing requests does not make the router
     # refuse another tenant (no circuit breaker, no retries: launch/cpu.toml; upstream's defaults

@@ -306,3 +306,24 @@ def test_live_tenants_take_a_good_file_and_keep_the_old_one_over_a_bad_one(tmp_p
     assert live.reload() == "error" and live.tenant_of(f"Bearer {a}") == "acme"
     f.write_text(f'[tenants.acme]\nkey_sha256 = ["{tenants.hash_key(a)}"]\n')
     assert live.reload() == "ok" and live.tenant_of(f"Bearer {b}") is None
+
+
+def test_limits_are_edited_per_tenant_validated_and_cleared(tmp_path):
+    f = tmp_path / "t.toml"
+    cli("add", f, "acme")
+    assert cli("limits", f, "acme", "--concurrent", 4, "--queue-wait-s", 1.5).returncode == 0
+    assert cli("limits", f, "acme", "--requests-per-minute", 60).returncode == 0  # merged with the others
+    assert tenants.TenantsFile.load(f).limits == {
+        "acme": {"concurrent": 4, "queue_wait_s": 1.5, "requests_per_minute": 60}
+    }
+    assert 'limits {"concurrent": 4' in cli("list", f).stdout
+    before = f.read_bytes()
+    for args, words in (
+        (("limits", f, "acme", "--concurrent", -1), "concurrent must be an integer >= 0"),
+        (("limits", f, "beta", "--concurrent", 1), "no tenant"),
+    ):
+        r = cli(*args)
+        assert r.returncode == 2 and words in r.stderr, r.stderr
+    assert f.read_bytes() == before
+    assert cli("limits", f, "acme", "--clear").returncode == 0
+    assert tenants.TenantsFile.load(f).limits == {}

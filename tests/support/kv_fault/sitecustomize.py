@@ -18,6 +18,8 @@ Put this directory on PYTHONPATH (spawned SGLang children inherit it) and set an
 - GLM53_TEST_KV_SHORT_HANDOFF=<marker>, GLM53_TEST_KV_LONG_HANDOFF=<marker>: PD decode reads a
   prompt length one token short (long) from the metadata slot of such a request (a transfer that
   did not cover exactly what decode pre-allocated).
+- GLM53_TEST_KV_REBOOTSTRAP_SHORT=<marker>: the same one token short, on a transfer marked as a
+  retraction re-bootstrap (`is_rebootstrap`, which the check once skipped).
 - GLM53_TEST_KV_LOG=<file>: PD decode appends one JSON line per published destination: whether
   every page whose index is being sent to prefill reads zero in every layer buffer, at the moment
   it is sent (the ordering of zeroing and publishing).
@@ -30,6 +32,7 @@ _FOREIGN = os.environ.get("GLM53_TEST_KV_FOREIGN")
 _FOREIGN_DECODE = os.environ.get("GLM53_TEST_KV_FOREIGN_DECODE")
 _SHORT = os.environ.get("GLM53_TEST_KV_SHORT_HANDOFF")
 _LONG = os.environ.get("GLM53_TEST_KV_LONG_HANDOFF")
+_REBOOTSTRAP = os.environ.get("GLM53_TEST_KV_REBOOTSTRAP_SHORT")
 _POISON = os.environ.get("GLM53_TEST_KV_POISON_TAIL")
 _LOG = os.environ.get("GLM53_TEST_KV_LOG")
 
@@ -114,8 +117,14 @@ def _poison_decode(result, batch, token_per_req=1, *args, **kwargs):
 
 
 def _wrong_length_handoff(self, decode_req, *args, **kwargs):
-    for marker, delta, fault in ((_SHORT, -1, "short_handoff"), (_LONG, 1, "long_handoff")):
+    for marker, delta, fault in (
+        (_SHORT, -1, "short_handoff"),
+        (_LONG, 1, "long_handoff"),
+        (_REBOOTSTRAP, -1, "rebootstrap_short_handoff"),
+    ):
         if marker is not None and marker in str(decode_req.req.rid):
+            if marker is _REBOOTSTRAP:
+                decode_req.is_rebootstrap = True
             from glm53_serving.kv_handoff import LENGTH_SLOT
 
             self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index][LENGTH_SLOT] += delta
@@ -135,7 +144,7 @@ def _probe_publish(self, decode_req, kv_indices, page_size, *args, **kwargs):
     return None
 
 
-if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LONG or _LOG or _POISON:
+if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LONG or _REBOOTSTRAP or _LOG or _POISON:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if _FOREIGN:
@@ -147,7 +156,7 @@ if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LONG or _LOG or _POISON:
     if _POISON:
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _poison_extend, HookType.AFTER)
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _poison_decode, HookType.AFTER)
-    if _SHORT or _LONG:
+    if _SHORT or _LONG or _REBOOTSTRAP:
         HookRegistry.register(
             "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
             _wrong_length_handoff,
