@@ -134,7 +134,18 @@ class Supervisor:
                 pass
         return out
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = 15.0, drain: tuple[str, float] | None = None) -> None:
+        """Stop every child. `drain` (name, seconds): that child (the gateway) first, given that
+        long to finish what it is serving while it admits nothing new."""
+        if drain is not None:
+            front = next((c for c in self.children if c.name == drain[0] and c.proc is not None), None)
+            if front is not None and front.proc.poll() is None:
+                say(f"draining {front.name}: running answers get up to {drain[1]:g} s, nothing new is admitted")
+                front.proc.send_signal(signal.SIGTERM)
+                try:
+                    front.proc.wait(timeout=drain[1] + 10)
+                except subprocess.TimeoutExpired:
+                    pass
         # Collect descendants first: once a parent exits, its children are reparented and no
         # longer findable through it.
         owned = [psutil.Process(p) for p in self.pids() if psutil.pid_exists(p)]
@@ -385,7 +396,9 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
     operator_port = free_port(h)
     gateway = child(
         "gateway",
-        lambda port: topo.gateway_argv(upstream, model_path, port, tenancy.tenants_file, operator_port),
+        lambda port: topo.gateway_argv(
+            upstream, model_path, port, tenancy.tenants_file, operator_port, run_dir / "audit.jsonl"
+        ),
         base={**shared, **tenancy.gateway_env()},
     )
     return Plan(servers, router, gateway, f"http://{h}:{operator_port}")
@@ -417,6 +430,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
     info = {
         "client_url": client_url,
         "operator_url": p.operator_url,
+        "audit_log": str(run_dir / "audit.jsonl"),
         "topology": topo.topology,
         "model": topo.model.served_model_name,
         "ready_s": round(ready_s, 1),
@@ -519,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sup.stop()
+        sup.stop(drain=("gateway", topo.gateway.drain_s))
         say("all children stopped")
 
 

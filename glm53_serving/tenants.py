@@ -163,8 +163,17 @@ class TenantsFile:
 
     def tenant_of(self, authorization: str | None) -> str | None:
         """The tenant of an `Authorization: Bearer <key>` header, or None."""
+        who = self.identify(authorization)
+        return None if who is None else who[0]
+
+    def identify(self, authorization: str | None) -> tuple[str, str] | None:
+        """(tenant, key id) of an `Authorization: Bearer <key>` header, or None."""
         key = bearer(authorization)
-        return None if key is None else self.by_hash.get(hash_key(key))
+        if key is None:
+            return None
+        h = hash_key(key)
+        tenant = self.by_hash.get(h)
+        return None if tenant is None else (tenant, key_id(h))
 
     def keys(self) -> dict[str, list[str]]:
         """tenant -> the ids of its keys (key_id), in file order."""
@@ -276,6 +285,9 @@ class LiveTenants:
 
     def tenant_of(self, authorization: str | None) -> str | None:
         return self.current.tenant_of(authorization)
+
+    def identify(self, authorization: str | None) -> tuple[str, str] | None:
+        return self.current.identify(authorization)
 
     def reload(self, force: bool = False) -> str | None:
         """Load the file if it changed (or `force`): "ok" (the new one is in force), "error" (the

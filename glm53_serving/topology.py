@@ -85,11 +85,14 @@ class RoleConf:
 class GatewayConf:
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413 before they are read
     upstream_timeout_s: float = 600.0
+    # On stop (SIGTERM, Ctrl-C) the gateway admits nothing new and lets running answers finish
+    # for at most this long; then every process stops.
+    drain_s: float = 30.0
 
     def __post_init__(self):
         _require(
-            self.max_body_bytes > 0 and self.upstream_timeout_s > 0,
-            "[gateway] max_body_bytes and upstream_timeout_s must be positive",
+            self.max_body_bytes > 0 and self.upstream_timeout_s > 0 and self.drain_s >= 0,
+            "[gateway] max_body_bytes and upstream_timeout_s must be positive, drain_s >= 0",
         )
 
 
@@ -408,6 +411,7 @@ class Topology:
         port: int,
         tenants_file: Path | None = None,
         operator_port: int | None = None,
+        audit_log: Path | None = None,
     ) -> list[str]:
         ctx, _ = self.admission_plan()
         return [
@@ -430,9 +434,12 @@ class Topology:
             str(self.gateway.max_body_bytes),
             "--upstream-timeout-s",
             str(self.gateway.upstream_timeout_s),
+            "--drain-s",
+            str(self.gateway.drain_s),
             "--max-n",
             str(MAX_N if self.topology == "single" else MAX_N_PD),
             *([] if operator_port is None else ["--operator-port", str(operator_port)]),
+            *([] if audit_log is None else ["--audit-log", str(audit_log)]),
             *(["--tenant-limits", json.dumps(self.tenants.limits)] if self.tenants.limits else []),
             *([] if tenants_file is None else ["--tenants-file", str(tenants_file)]),
         ]

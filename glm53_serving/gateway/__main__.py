@@ -33,8 +33,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the operator's listener: /metrics (they name every tenant), never served on the client port",
     )
     p.add_argument("--operator-host", default=None, help="its address (default: --host)")
+    p.add_argument("--audit-log", default=None, help="one JSON line per request (glm53_serving/audit.py)")
     p.add_argument("--max-body-bytes", type=int, required=True)
     p.add_argument("--upstream-timeout-s", type=float, required=True)
+    p.add_argument(
+        "--drain-s", type=float, default=0.0, help="on SIGTERM: admit nothing new, let answers finish this long"
+    )
     p.add_argument(
         "--tenants-file",
         type=Path,
@@ -74,13 +78,23 @@ def main(argv: list[str] | None = None) -> None:
         assertion_key=key,
         operator_port=a.operator_port,
         tenant_limits=tenant_limits,
+        audit_log=a.audit_log,
     )
     # One server on two sockets: the app tells the operator's connections by the socket they came in on.
     sockets = [socket.create_server((a.host, a.port))]
     if a.operator_port is not None:
         sockets.append(socket.create_server((a.operator_host or a.host, a.operator_port)))
     server = uvicorn.Server(
-        uvicorn.Config(built(cfg), log_level="warning", access_log=False, loop="uvloop", http="httptools")
+        uvicorn.Config(
+            built(cfg),
+            log_level="warning",
+            access_log=False,
+            loop="uvloop",
+            http="httptools",
+            # SIGTERM: the listeners close at once (nothing new is admitted); running answers get
+            # this long, then are cut.
+            timeout_graceful_shutdown=a.drain_s,
+        )
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("glm53_serving.gateway").info(

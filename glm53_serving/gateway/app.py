@@ -11,8 +11,10 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
+import re
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 
 import aiohttp
@@ -24,6 +26,7 @@ from starlette.routing import Route
 
 from glm53_serving import tenants, validation
 from glm53_serving.admission import Limits, check
+from glm53_serving.audit import AuditLog
 from glm53_serving.errors import ClientError, error_body
 from glm53_serving.gateway import upstream_errors
 from glm53_serving.gateway.fair_share import FairShare
@@ -37,6 +40,7 @@ GENERATION = validation.GENERATION
 # A tenant's own objects: forwarded with its assertion; the worker checks ownership (tenant_guard).
 # (sglang-router does not route sessions: in PD these answer the router's 404.)
 TENANT_OBJECTS = ("/open_session", "/close_session", "/abort_request")
+REQUEST_ID_HEADER = "x-request-id"  # the client's if sane (request_id()), else ours; on every answer
 AFFINITY_HEADER = "x-session-affinity"  # what agent clients send (the incident's provider asked for it)
 ROUTING_KEY_HEADER = "x-smg-routing-key"  # what sglang-router's manual policy routes on
 # Hop-by-hop and length headers are the transport's business; the client's credential and any
@@ -50,6 +54,7 @@ _DROP_REQUEST_HEADERS = {
     "authorization",
     AFFINITY_HEADER,
     ROUTING_KEY_HEADER,
+    "x-request-id",
 }
 UNAUTHENTICATED = "-"  # the tenant label of requests refused before a tenant was known
 # Body fields only the deployment sets: the PD handoff (a fake or foreign bootstrap host makes
@@ -63,6 +68,8 @@ DEPLOYMENT_FIELDS = (
     "disagg_prefill_dp_rank",
 )
 _PASS_RESPONSE_HEADERS = {"content-type", "cache-control"}
+# /ready: how recent a successful generation must be (else the gateway probes with one token).
+READY_FRESH_S = 10.0
 # How often the gateway looks at the tenants file (one stat): a retired key is refused within this.
 TENANTS_POLL_S = 1.0
 # Prompts longer than this are encoded off the event loop: every stream through the gateway waits
@@ -86,6 +93,8 @@ class GatewayConfig:
     max_n: int = validation.MAX_N  # validation.MAX_N_PD behind a PD router
     # The operator's listener (metrics): a port of its own, never the client port. None: no metrics.
     operator_port: int | None = None
+    # One JSON line per request (gateway/audit.py); None: no audit log.
+    audit_log: str | None = None
     # Every tenant's fair share unless its own `limits` in the tenants file say otherwise.
     tenant_limits: TenantLimits = TenantLimits()
 
@@ -106,6 +115,17 @@ class GatewayConfig:
 
 def error_response(status: int, body: dict) -> JSONResponse:
     return JSONResponse(body, status_code=status)
+
+
+_SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(client_id: str | None) -> str:
+    """The client's `x-request-id` when it is a sane token (it goes into logs and headers), else a
+    new one."""
+    if client_id is not None and _SANE_REQUEST_ID.fullmatch(client_id):
+        return client_id
+    return "g53-" + uuid.uuid4().hex[:24]
 
 
 def routing_key(tenant: str, affinity: str) -> str:
@@ -150,6 +170,12 @@ class Gateway:
                 registry=self.registry,
             ),
         )
+        self.tokens = Counter(
+            "glm53_gateway_tokens",
+            "Tokens per tenant, from the workers' own usage figures: prompt, cached (of the prompt), completion",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
         self.tenants_reloads = Counter(
             "glm53_gateway_tenants_reloads",
             "Reloads of the tenants file: ok (in force) or error (the previous file stays in force)",
@@ -158,6 +184,9 @@ class Gateway:
         )
         self._watch: asyncio.Task | None = None
         self.fair = FairShare(cfg.tenant_limits, self._tenant_limits)
+        self.audit = AuditLog(cfg.audit_log) if cfg.audit_log else None
+        self._served_at = float("-inf")  # monotonic time of the last 2xx generation answer (readiness)
+        self._probe_lock = asyncio.Lock()
         self.assertions = tenants.AssertionCache(cfg.assertion_key) if cfg.assertion_key else None
         # Two threads: long prompts wait their turn rather than take every core from the workers.
         self._encoders = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="glm53-encode")
@@ -191,6 +220,8 @@ class Gateway:
             self.tenants_reloads.labels(result=result).inc()
 
     async def stop(self) -> None:
+        if self.audit is not None:
+            self.audit.close()
         if self._watch is not None:
             self._watch.cancel()
         if self._session is not None:
@@ -199,12 +230,16 @@ class Gateway:
 
     def authenticate(self, request: Request) -> str:
         """The request's tenant; ClientError(invalid_api_key) before anything is read or forwarded."""
+        return self.identify(request)[0]
+
+    def identify(self, request: Request) -> tuple[str, str | None]:
+        """(tenant, key id) of the request; ClientError(invalid_api_key) when there is none."""
         if self.cfg.tenants is None:
-            return ""
-        tenant = self.cfg.tenants.tenant_of(request.headers.get("authorization"))
-        if tenant is None:
+            return "", None
+        who = self.cfg.tenants.identify(request.headers.get("authorization"))
+        if who is None:
             raise ClientError("invalid_api_key", "Missing or unknown API key. Send 'Authorization: Bearer <key>'.")
-        return tenant
+        return who
 
     def _tenant_limits(self, tenant: str) -> dict | None:
         live = self.cfg.tenants
@@ -244,12 +279,35 @@ class Gateway:
         return await self.admit_and_forward(request, None)
 
     async def admit_and_forward(self, request: Request, judge) -> Response:
-        """Authenticate, read the body within the limit, let `judge` refuse it, then forward."""
-        started = time.perf_counter()
+        """Authenticate, read the body within the limit, let `judge` refuse it, then forward.
+        Every answer carries the request id and ends in one audit record."""
+        started, wall = time.perf_counter(), time.time()
         endpoint = request.scope["path"]
-        tenant, slot = UNAUTHENTICATED, None
+        rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+        tenant, kid, slot = UNAUTHENTICATED, None, None
+
+        def done(response: Response) -> Response:
+            """Stamp the request id; release the tenant's slot and audit once the answer is over."""
+
+            def finish():
+                if slot is not None:
+                    slot.release()
+                used = usage_of(response.tail) if isinstance(response, UpstreamStream) else {}
+                for kind, n in used.items():
+                    self.tokens.labels(tenant=tenant, kind=kind).inc(n)
+                if self.audit is not None:
+                    self.audit.record(wall, tenant, kid, rid, endpoint, response, time.perf_counter() - started, used)
+
+            if isinstance(response, UpstreamStream):
+                response.raw_headers.append((REQUEST_ID_HEADER.encode(), rid.encode()))
+                response.on_done = finish  # held until the answer's last byte (or the client leaves)
+            else:
+                response.headers[REQUEST_ID_HEADER] = rid
+                finish()
+            return response
+
         try:
-            tenant = self.authenticate(request)
+            tenant, kid = self.identify(request)
             raw = await self.read_body(request)
             prompt_tokens = await judge(request, endpoint, raw, tenant) if judge is not None else None
             if judge is not None:  # generation: the tenant's fair share (fair_share.py)
@@ -259,21 +317,16 @@ class Gateway:
             response = self._error(tenant, endpoint, e.status, e.body())
             if e.code == "rate_limit_exceeded":
                 response.headers["retry-after"] = str(e.details["retry_after_s"])
-            return response
+            return done(response)
         except ClientDisconnect:
-            return Response(status_code=499)
-        if slot is None:
-            return await self.forward(request, tenant, endpoint, raw, started)
+            return done(Response(status_code=499))
         try:
-            response = await self.forward(request, tenant, endpoint, raw, started)
+            response = await self.forward(request, tenant, endpoint, raw, started, rid)
         except BaseException:
-            slot.release()
+            if slot is not None:
+                slot.release()
             raise
-        if isinstance(response, UpstreamStream):
-            response.on_done = slot.release  # held until the answer's last byte (or the client leaves)
-        else:
-            slot.release()
-        return response
+        return done(response)
 
     async def judge_generation(self, request: Request, endpoint: str, raw: bytes, tenant: str) -> int | None:
         """Refuse the request (ClientError) or return its prompt's token count; None where it was
@@ -318,14 +371,16 @@ class Gateway:
             headers[ROUTING_KEY_HEADER] = routing_key(tenant, affinity)
         return headers
 
-    async def forward(self, request: Request, tenant: str, endpoint: str, raw: bytes, started: float) -> Response:
+    async def forward(
+        self, request: Request, tenant: str, endpoint: str, raw: bytes, started: float, rid: str
+    ) -> Response:
         sent = time.perf_counter()
         self.upstream_timing.admission.observe(sent - started)
         try:
             upstream = await self._session.request(
                 request.method,
                 self.cfg.upstream + endpoint,
-                headers=self.upstream_headers(request, tenant),
+                headers={**self.upstream_headers(request, tenant), REQUEST_ID_HEADER: rid},
                 data=raw,
                 params=request.query_params.multi_items(),
             )
@@ -349,6 +404,8 @@ class Gateway:
                 upstream.release()
             return self._error(tenant, endpoint, *upstream_errors.answer(upstream.status, raw))
         self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(upstream.status), reason="").inc()
+        if endpoint in GENERATION:
+            self._served_at = time.monotonic()
         return UpstreamStream(upstream, sent, self.upstream_timing)
 
     def _error(self, tenant: str, endpoint: str, status: int, body: dict) -> JSONResponse:
@@ -380,6 +437,32 @@ class Gateway:
         except (TimeoutError, aiohttp.ClientError):
             return Response(status_code=503)
 
+    async def ready(self, request: Request) -> Response:
+        """200 when a real generation went through the whole path (router, every role) within
+        READY_FRESH_S: a client's, or else a one-token probe of our own (one at a time). A load
+        balancer then never sends traffic to a gateway whose router has no workers yet."""
+        if time.monotonic() - self._served_at > READY_FRESH_S:
+            async with self._probe_lock:
+                if time.monotonic() - self._served_at > READY_FRESH_S:
+                    await self._probe()
+        fresh = time.monotonic() - self._served_at <= READY_FRESH_S
+        return JSONResponse({"ready": fresh}, status_code=200 if fresh else 503)
+
+    async def _probe(self) -> None:
+        headers = {"content-type": "application/json"}
+        if self.assertions is not None:  # the operator's assertion: the probe is no tenant's
+            headers["authorization"] = self.assertions.header(tenants.ADMIN)
+        body = b'{"input_ids": [5], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}'
+        try:
+            async with self._session.post(
+                self.cfg.upstream + "/generate", data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=30)
+            ) as r:
+                ok = r.status == 200 and "output_ids" in await r.text()
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        if ok:
+            self._served_at = time.monotonic()
+
     async def metrics(self, request: Request) -> Response:
         """The operator's listener only: the series name every tenant."""
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
@@ -402,7 +485,13 @@ class Gateway:
             for s in metric.samples
             if s.name.endswith("_total") and s.labels["tenant"] == tenant
         ]
-        return JSONResponse({"object": "usage", "tenant": tenant or None, "requests": rows})
+        tokens = {
+            s.labels["kind"]: int(s.value)
+            for metric in self.tokens.collect()
+            for s in metric.samples
+            if s.name.endswith("_total") and s.labels["tenant"] == tenant
+        }
+        return JSONResponse({"object": "usage", "tenant": tenant or None, "requests": rows, "tokens": tokens})
 
 
 def build_app(cfg: GatewayConfig) -> GatewayApp:
@@ -413,6 +502,7 @@ def build_app(cfg: GatewayConfig) -> GatewayApp:
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/usage", gw.usage, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        Route("/ready", gw.ready, methods=["GET"]),
     ]
     operator = Starlette(
         routes=[Route("/metrics", gw.metrics, methods=["GET"]), Route("/health", gw.health, methods=["GET"])]
@@ -480,6 +570,7 @@ class UpstreamStream(Response):
     def __init__(self, upstream: aiohttp.ClientResponse, sent: float, timing: UpstreamTiming):
         self.upstream, self.sent, self.timing = upstream, sent, timing
         self.on_done = None  # called once the answer is over, however it ended (the tenant's slot)
+        self.tail = b""  # the answer's last bytes: where SGLang puts its usage figures (usage_of)
         self.status_code = upstream.status
         self.raw_headers = [
             (k.lower().encode("latin-1"), v.encode("latin-1"))
@@ -505,6 +596,8 @@ class UpstreamStream(Response):
                 if first:
                     self.timing.first_chunk.observe(time.perf_counter() - self.sent)
                     first = False
+                tail = chunk if len(chunk) >= USAGE_TAIL_BYTES else self.tail + chunk
+                self.tail = tail[-USAGE_TAIL_BYTES:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.timing.response.observe(time.perf_counter() - self.sent)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -517,3 +610,19 @@ class UpstreamStream(Response):
             upstream.release() if done else upstream.close()
             if self.on_done is not None:
                 self.on_done()
+
+
+USAGE_TAIL_BYTES = 4096
+_USAGE_FIELDS = {kind: re.compile(rf'"{kind}_tokens":\s*(\d+)'.encode()) for kind in ("prompt", "completion", "cached")}
+
+
+def usage_of(tail: bytes) -> dict[str, int]:
+    """The worker's own token counts from the end of its answer: `usage` (OpenAI, non-streamed or
+    with stream_options.include_usage) or `meta_info` (/generate, every event): the last figure
+    of each kind. Empty when the answer carries none (an OpenAI stream without include_usage)."""
+    out = {}
+    for kind, pattern in _USAGE_FIELDS.items():
+        found = pattern.findall(tail)
+        if found:
+            out[kind] = int(found[-1])
+    return out

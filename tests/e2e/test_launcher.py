@@ -1,5 +1,8 @@
 """The launcher: clean stop on Ctrl-C, honest failure when a child dies, refusal when a hook is missing."""
 
+import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -19,12 +22,54 @@ def wait_exit(proc, timeout=300):
     return rc, time.monotonic() - t0
 
 
-def test_ctrl_c_leaves_no_child_alive_and_no_log_reports_a_crash(tmp_path):
+def slow_stream(run, done: dict, first: threading.Event) -> None:
+    """A 400-token stream, read slowly (>= 8 s): still running when the launcher is told to stop."""
+    body = {"input_ids": [5, 6, 7, 8], "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with httpx.stream("POST", f"{run.url}/generate", json=body, headers=run.client_headers(), timeout=300) as r:
+        done["status"], done["rid"], lines = r.status_code, r.headers["x-request-id"], []
+        for line in r.iter_lines():
+            first.set()
+            lines.append(line)
+            time.sleep(0.02)
+        done["text"] = "\n".join(lines)
+    first.set()
+
+
+def test_ctrl_c_drains_the_gateway_then_leaves_no_child_alive_and_no_log_reports_a_crash(tmp_path):
     run = launch(tmp_path, "--topology", "pd")
     pids = run.info["all_pids"]
-    # 2 x (server, scheduler, detokenizer), router, gateway
-    assert len(pids) >= 8 and len(alive(pids)) == len(pids)
-    assert run.stop() == 0
+    # Ready means a real generation went through router, prefill and decode.
+    r = httpx.get(f"{run.url}/ready", timeout=60)
+    assert r.status_code == 200 and r.json() == {"ready": True}
+    done, first = {}, threading.Event()
+    t = threading.Thread(target=slow_stream, args=(run, done, first))
+    sent = time.monotonic()
+    t.start()
+    assert first.wait(60)
+    run.proc.send_signal(signal.SIGINT)
+    stop_after_s = time.monotonic() - sent
+    refused_at, t0 = None, time.monotonic()
+    while refused_at is None and time.monotonic() - t0 < 10:  # nothing new is admitted while it drains
+        try:
+            httpx.post(f"{run.url}/generate", json={"input_ids": [5]}, headers=run.client_headers(), timeout=5)
+        except httpx.TransportError:
+            refused_at = time.monotonic() - t0
+        time.sleep(0.1)
+    assert refused_at is not None and "text" not in done, (refused_at, done.keys())
+    assert run.proc.wait(120) == 0
+    t.join(60)
+    assert done["status"] == 200 and "[DONE]" in done["text"] and '"error"' not in done["text"], done
+    last = json.loads([x for x in done["text"].splitlines() if x.startswith("data: {")][-1][6:])
+    assert last["meta_info"]["completion_tokens"] == 400  # the running answer finished whole
+    assert "draining gateway" in launcher_output(tmp_path)
+    # The drained answer has its audit record, written before the gateway exited.
+    rows = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    (mine,) = [r for r in rows if r["request_id"] == done["rid"]]
+    assert mine["tenant"] == "demo" and mine["status"] == 200 and mine["code"] is None
+    # the gateway was still sending it when the stop began: it drained a live answer
+    assert mine["latency_ms"] / 1000 > stop_after_s, (mine, stop_after_s)
+    assert mine["completion_tokens"] == 400
+    assert len(pids) >= 8
     assert alive(pids) == []
     assert "all children stopped" in launcher_output(tmp_path)
     logs = {p.name: p.read_text(errors="replace") for p in tmp_path.glob("*.log")}

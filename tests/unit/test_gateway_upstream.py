@@ -4,7 +4,10 @@ upstream stream. Each failure is a JSON body with the contract's keys."""
 
 import asyncio
 import hashlib
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -47,7 +50,8 @@ async def generate(request):
     if "error" in request.query_params:  # an upstream error in a shape outside our contract
         code = request.query_params["error"]
         return JSONResponse({"error": {"message": f"upstream says {code}", "code": code}}, status_code=400)
-    return JSONResponse({"text": "ok", "peer": request.client.port})
+    meta = {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}
+    return JSONResponse({"text": "ok", "output_ids": [7], "meta_info": meta, "peer": request.client.port})
 
 
 def serve(app, operator_port: int | None = None):
@@ -267,6 +271,7 @@ def test_a_tenant_sees_its_own_usage_and_never_anothers(upstream):
             "object": "usage",
             "tenant": "acme",
             "requests": [{"endpoint": "/generate", "status": 200, "code": None, "requests": 2}],
+            "tokens": {"prompt": 6, "completion": 2, "cached": 0},  # the workers' own figures
         }
         beta = gw.get("/v1/usage", headers=auth("beta")).json()
         assert beta["tenant"] == "beta" and "acme" not in str(beta)
@@ -322,3 +327,116 @@ def test_the_gateway_takes_tenant_changes_without_a_restart_and_keeps_a_good_fil
         text = gw.get(f"http://testserver:{OPERATOR_PORT}/metrics").text
         assert 'glm53_gateway_tenants_reloads_total{result="error"} 1.0' in text
         assert 'glm53_gateway_tenants_reloads_total{result="ok"} 2.0' in text
+
+
+def test_ready_means_a_generation_went_through_recently(upstream):
+    """Not just the upstream's /health: a one-token probe when no client's generation went
+    through lately; an upstream that cannot generate is not ready."""
+    with gateway(upstream) as gw:
+        r = gw.get("/ready")
+        assert r.status_code == 200 and r.json() == {"ready": True}
+    with gateway(f"http://127.0.0.1:{free_port()}") as gw:
+        r = gw.get("/ready")
+        assert r.status_code == 503 and r.json() == {"ready": False}
+        assert gw.get("/health").status_code == 503
+
+    async def no_workers(request):  # a PD router before its workers registered: healthy, cannot serve
+        return JSONResponse({"error": {"message": "no workers", "code": "no_available_workers"}}, status_code=503)
+
+    async def healthy(request):
+        return JSONResponse({})
+
+    served = serve(
+        Starlette(routes=[Route("/generate", no_workers, methods=["POST"]), Route("/health", healthy, methods=["GET"])])
+    )
+    try:
+        with gateway(next(served)) as gw:
+            assert gw.get("/health").status_code == 200
+            r = gw.get("/ready")
+            assert r.status_code == 503 and r.json() == {"ready": False}
+    finally:
+        next(served, None)
+
+
+def test_every_answer_carries_a_request_id_and_ends_in_one_audit_record_without_content(upstream, tmp_path):
+    from glm53_serving import audit
+
+    log = tmp_path / "audit.jsonl"
+    f = tmp_path / "tenants.toml"
+    key = tenants.add_tenant(f, "acme")
+    cfg = gateway_config(upstream, tenants=tenants.LiveTenants(f), assertion_key=KEY, audit_log=str(log))
+    secret = "the tenant's secret prompt"
+    with TestClient(build_app(cfg)) as gw:
+        ok = gw.post(
+            "/generate",
+            json={"text": secret, "sampling_params": {"max_new_tokens": 4}},
+            headers={"Authorization": f"Bearer {key}", "x-request-id": "client-42"},
+        )
+        assert ok.status_code == 200 and ok.headers["x-request-id"] == "client-42"
+        with gw.stream(
+            "POST", "/generate", json={**BODY, "stream": True}, headers={"Authorization": f"Bearer {key}"}
+        ) as r:
+            streamed_id = r.headers["x-request-id"]
+            assert b"".join(r.iter_bytes()).endswith(b"[DONE]\n\n")
+        bad = gw.post("/generate", json=BODY, headers={"x-request-id": "bad id\twith spaces"})
+        assert bad.status_code == 401 and bad.headers["x-request-id"].startswith("g53-")
+    text = log.read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [(r["request_id"], r["tenant"], r["status"], r["code"]) for r in rows] == [
+        ("client-42", "acme", 200, None),  # non-streamed: the worker's usage figures too
+        (streamed_id, "acme", 200, None),
+        (bad.headers["x-request-id"], "-", 401, "invalid_api_key"),
+    ]
+    kid = tenants.key_id(tenants.hash_key(key))
+    assert rows[0]["key_id"] == kid and rows[2]["key_id"] is None and all(r["latency_ms"] > 0 for r in rows)
+    assert (rows[0]["prompt_tokens"], rows[0]["completion_tokens"]) == (3, 1) and "prompt_tokens" not in rows[2]
+    assert secret not in text and '"text"' not in text  # no prompt, no output
+    assert audit.affected(log, "2000-01-01T00:00") == {}
+
+
+def test_the_affected_command_names_each_tenant_with_an_isolation_error_in_the_window(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    rows = [
+        ("2026-12-06T01:00:00.000Z", "acme", "r1", "kv_isolation_violation"),
+        ("2026-12-06T02:00:00.000Z", "beta", "r2", "kv_handoff_mismatch"),
+        ("2026-12-06T02:30:00.000Z", "beta", "r3", "context_length_exceeded"),
+        ("2026-12-06T03:00:00.000Z", "gamma", "r4", "kv_isolation_violation"),
+    ]
+    (tmp_path / "audit.jsonl.1").write_text(
+        json.dumps(dict(zip(("ts", "tenant", "request_id", "code"), rows[0]))) + "\n"
+    )
+    log.write_text("".join(json.dumps(dict(zip(("ts", "tenant", "request_id", "code"), r))) + "\n" for r in rows[1:]))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glm53_serving.audit",
+            "affected",
+            "--log",
+            str(log),
+            "--since",
+            "2026-12-06T00:30",
+            "--until",
+            "2026-12-06T02:45",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout == "acme\t1\tr1\nbeta\t1\tr2\n" and "2 tenants affected" in out.stderr
+
+
+def test_usage_comes_from_the_end_of_the_workers_answer():
+    from glm53_serving.gateway.app import usage_of
+
+    generate_stream = (
+        b'data: {"text":"a","meta_info":{"prompt_tokens":12,"completion_tokens":1,"cached_tokens":8}}\n\n'
+        b'data: {"text":"\\"prompt_tokens\\": 999","meta_info":{"prompt_tokens":12,"completion_tokens":2,'
+        b'"cached_tokens":8}}\n\ndata: [DONE]\n\n'
+    )
+    assert usage_of(generate_stream) == {"prompt": 12, "completion": 2, "cached": 8}
+    chat = (
+        b'{"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":0}}}'
+    )
+    assert usage_of(chat) == {"prompt": 30, "completion": 4, "cached": 0}
+    assert usage_of(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\ndata: [DONE]\n\n') == {}
