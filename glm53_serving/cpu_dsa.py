@@ -2,9 +2,11 @@
 
 Opt-in: only the glm53-dsa-tiny deployment (launch/cpu-dsa.toml) exercises it. Every function
 here is the implementation of a `cpu_only=True` row of hooks.HOOKS, so it is never installed on
-a CUDA process; rows that could meet another model act only for DSA models (or only when the
-DSA-only `topk_indices` argument is passed). Line numbers are of the pinned sglang 0.5.23
-wheel (sglang/srt/...); docs: /work/shared/research/glm5-dsa-on-cpu.md.
+a CUDA process. The argument-resolution rows act only for DSA models, the torch_native rows
+only when the DSA-only `topk_indices` argument is passed; the RoPE and MLA-dispatch rows change
+what used to fail on CPU (unscaled RoPE through get_rope_cpu, any MLA model on torch_native) and
+nothing that worked (glm53-tiny, GQA, goes through neither). Line numbers are of the pinned
+sglang 0.5.23 wheel (sglang/srt/...).
 """
 
 from __future__ import annotations
