@@ -61,6 +61,20 @@ def test_a_shared_64_token_prefix_hits_the_cache_and_still_equals_hf(dsa, refere
     assert out == reference(ids)
 
 
+def test_a_batch_of_two_equals_hf_for_each(dsa, reference):
+    # One request with two prompts of different lengths: a 2-sequence extend and 2-request decode
+    # batches, through the per-request loops of the indexer and of sparse attention.
+    pair = [SHORT[::-1] + LONG[:20], LONG[::-1]]
+    r = httpx.post(
+        f"{dsa.url}/generate",
+        timeout=300,
+        headers=auth(dsa.url),
+        json={"input_ids": pair, "sampling_params": {"max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True}},
+    )
+    assert r.status_code == 200, r.text
+    assert [o["output_ids"] for o in r.json()] == [reference(ids) for ids in pair]
+
+
 def test_the_kv_guard_runs_on_the_dsa_pool(dsa):
     from glm53_serving import hooks
 
