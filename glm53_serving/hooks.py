@@ -297,6 +297,87 @@ HOOKS: tuple[Hook, ...] = (
         value=False,
         process="scheduler",
     ),
+    # --- GLM-5.x MLA + DSA on CPU (glm53_serving/cpu_dsa.py; opt-in model glm53-dsa-tiny) -------
+    Hook(
+        "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments",
+        Kind.AROUND,
+        "glm53_serving.cpu_dsa:model_adjustments_without_cuda",
+        ("server_args",),
+        "DSA models: the argument resolution calls torch.cuda.get_device_capability() outside "
+        "NPU/XPU (arg_groups/model_hook.py:341), which raises without an NVIDIA driver",
+        guard=False,
+        cpu_only=True,
+    ),
+    Hook(
+        "sglang.srt.arg_groups.overrides._dsa_kv_cache_dtype_default",
+        Kind.AROUND,
+        "glm53_serving.cpu_dsa:no_dsa_gpu_override",
+        ("view",),
+        "DSA models: reads the CUDA capability (overrides.py:512) and forces a bf16/fp8 KV cache "
+        "(:527-550); the CPU path keeps the model dtype",
+        guard=False,
+        cpu_only=True,
+    ),
+    Hook(
+        "sglang.srt.arg_groups.overrides._dsa_split_backend_resolution",
+        Kind.AROUND,
+        "glm53_serving.cpu_dsa:no_dsa_gpu_override",
+        ("view",),
+        "DSA models: reads the CUDA capability (overrides.py:631) to pick GPU-only DSA kernels; "
+        "CPU attends with torch_native",
+        guard=False,
+        cpu_only=True,
+    ),
+    Hook(
+        "sglang.srt.layers.rotary_embedding.factory.get_rope_cpu",
+        Kind.AROUND,
+        "glm53_serving.cpu_dsa:rope_cpu_plain_fallback",
+        ("head_size", "rotary_dim", "max_position", "base", "is_neox_style"),
+        "the CPU RoPE factory accepts only deepseek_yarn scaling (factory.py:478-482); GLM-5's "
+        "attention and DSA indexer use plain RoPE, which the generic get_rope builds",
+        guard=False,
+        cpu_only=True,
+    ),
+    Hook(
+        "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler",
+        Kind.AROUND,
+        "glm53_serving.cpu_dsa:torch_native_mla_handler",
+        ("cls", "backend_name"),
+        "MLA models: torch_native has no handler and falls back to triton's MHA prefill, which "
+        "attends over the one-head latent pool (attention_backend_handler.py:55, "
+        "torch_native_backend.py:315: shape error); torch_native takes the absorbed MLA path",
+        guard=False,
+        cpu_only=True,
+    ),
+    Hook(
+        "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native",
+        Kind.REPLACE,
+        "glm53_serving.cpu_dsa:indexer_forward_cpu",
+        ("self",),
+        "the DSA indexer has no CPU path (dsa_indexer.py:1888 raises, forward_cuda refuses non-GPU "
+        "at :2245): a pure-PyTorch one writing fp8 index-K pages in SGLang's layout",
+        guard=False,
+        cpu_only=True,
+    ),
+    Hook(
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+        Kind.AROUND,
+        "glm53_serving.cpu_dsa:sparse_extend",
+        ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"),
+        "DSA: the MLA forward passes topk_indices= (forward_mla.py:792-799), which torch_native "
+        "does not take (torch_native_backend.py:279, TypeError); with it, sparse MLA attention",
+        guard=False,
+        cpu_only=True,
+    ),
+    Hook(
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
+        Kind.AROUND,
+        "glm53_serving.cpu_dsa:sparse_decode",
+        ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"),
+        "DSA decode: as forward_extend (torch_native_backend.py:338)",
+        guard=False,
+        cpu_only=True,
+    ),
 )
 
 

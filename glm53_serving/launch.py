@@ -280,12 +280,13 @@ def smoke_generate(client_url: str, headers: dict[str, str]) -> list[int]:
 def resolve_model_path(topo: Topology) -> str:
     if topo.model.path:
         return topo.model.path
-    from glm53_serving.models import tiny
+    from glm53_serving.models import dsa_tiny, tiny
 
-    path = tiny.default_path()
+    recipe = dsa_tiny if topo.model.preset == dsa_tiny.PRESET else tiny
+    path = recipe.default_path()
     if not (path / "model.safetensors").is_file():
         say(f"generating {topo.model.preset} into {path}")
-    return str(tiny.ensure(path))
+    return str(recipe.ensure(path))
 
 
 @dataclass(slots=True)

@@ -98,8 +98,14 @@ def scheduler_verified_info(result: dict, self) -> dict:
         problems += server_flags.problems(get_server_args())
     if problems:
         raise _refuse("scheduler", problems)
-    result[STATUS_KEY] = {**plugin.status(), "capacity": dataclasses.asdict(cap)}
+    result[STATUS_KEY] = {**plugin.status(), "capacity": dataclasses.asdict(cap), "kv_pool": _pool_name(self)}
     return result
+
+
+def _pool_name(scheduler) -> str | None:
+    """The KV pool class the guards run on (e.g. DSATokenToKVPool), for /server_info."""
+    get_kvcache = getattr(scheduler.token_to_kv_pool_allocator, "get_kvcache", None)
+    return type(get_kvcache()).__name__ if get_kvcache else None
 
 
 def require_verified_schedulers(infos: list, scheduler_pipe_readers=None, scheduler_procs=None) -> list:

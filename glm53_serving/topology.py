@@ -25,7 +25,7 @@ from glm53_serving.validation import MAX_N, MAX_N_PD
 
 REPO_LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 DEFAULT_CONFIG = REPO_LAUNCH_DIR / "cpu.toml"
-PRESETS = ("glm53-tiny",)
+PRESETS = ("glm53-tiny", "glm53-dsa-tiny")  # glm53-dsa-tiny: GLM-5.3's MLA+DSA, opt-in (launch/cpu-dsa.toml)
 SGLANG_DEFAULT_DECODE_RESERVE = 512  # --num-reserved-decode-tokens default in sglang 0.5.23
 
 
@@ -41,7 +41,7 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(slots=True)
 class ModelConf:
-    preset: str | None = None  # an embedded model generated locally ("glm53-tiny")
+    preset: str | None = None  # an embedded model generated locally (PRESETS)
     path: str | None = None  # or a checkpoint directory
     served_model_name: str = "glm53"
     context_length: int | None = None

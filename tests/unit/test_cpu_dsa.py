@@ -1,0 +1,54 @@
+"""The pure parts of the GLM-5.x DSA CPU path (glm53_serving/cpu_dsa.py): fp8 index-key
+quantisation, SGLang's index-K page layout, top-k selection; and its rows are CPU-only."""
+
+import pytest
+import torch
+
+from glm53_serving import cpu_dsa, hooks
+
+PAGE, DIM = 64, 128
+
+
+def test_quantize_is_fp8_with_a_power_of_two_scale_per_row():
+    torch.manual_seed(0)
+    k = torch.randn(5, DIM) * torch.tensor([0.01, 1.0, 3.0, 100.0, 0.0])[:, None]
+    q, s = cpu_dsa.quantize_index_k(k)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (5,)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # ue8m0: a power of two
+    amax = k.abs().amax(-1).clamp_min(1e-4)
+    assert bool(((amax / s) <= cpu_dsa.FP8_MAX).all()) and bool(((amax / s) > cpu_dsa.FP8_MAX / 2).all())
+    deq = q.float() * s[:, None]
+    assert torch.allclose(deq, k, rtol=0.07, atol=1e-6)
+
+
+def test_index_k_layout_is_sglangs():
+    # mem_cache/index_key_cache.py, kernels/ops/kvcache/dsa_index_k_cache.py: per page row,
+    # 64 x 128 fp8 bytes then 64 fp32 scales.
+    buf = torch.zeros(3, PAGE * (DIM + 4), dtype=torch.uint8)
+    torch.manual_seed(1)
+    q, s = cpu_dsa.quantize_index_k(torch.randn(2, DIM))
+    loc = torch.tensor([5, 64 + 63])
+    cpu_dsa.write_index_k(buf, loc, q, s, PAGE)
+    assert torch.equal(buf[0, 5 * DIM : 6 * DIM], q[0].view(torch.uint8))
+    assert torch.equal(buf[0, PAGE * DIM + 5 * 4 : PAGE * DIM + 6 * 4].view(torch.float32), s[:1])
+    assert torch.equal(buf[1, 63 * DIM : 64 * DIM], q[1].view(torch.uint8))
+    assert torch.equal(buf[1, PAGE * DIM + 63 * 4 :].view(torch.float32), s[1:])
+    assert int(buf.count_nonzero()) == int(q.view(torch.uint8).count_nonzero()) + int(
+        s.view(torch.uint8).count_nonzero()
+    )  # nothing else written
+    assert torch.equal(cpu_dsa.read_index_k(buf, loc, DIM, PAGE), q.float() * s[:, None])
+
+
+def test_select_is_causal_topk_padded_with_minus_one_and_ties_go_to_earlier_positions():
+    scores = torch.tensor([[3.0, 9.0, 1.0, 5.0], [0.0, 0.0, 0.0, 2.0], [4.0, 1.0, 0.0, 0.0]])
+    out = cpu_dsa._select(scores, torch.tensor([1, 3, 3]), topk=3)
+    assert out.dtype == torch.int32
+    assert out.tolist() == [[1, 0, -1], [3, 0, 1], [0, 1, 2]]
+    wide = cpu_dsa._select(scores, torch.tensor([3, 3, 3]), topk=6)  # fewer keys than topk
+    assert wide.shape == (3, 6) and wide[:, 4:].eq(-1).all()
+
+
+@pytest.mark.parametrize("row", [h for h in hooks.HOOKS if h.impl and h.impl.startswith("glm53_serving.cpu_dsa:")])
+def test_dsa_rows_are_cpu_only_platform_fixes(row):
+    assert row.cpu_only and not row.guard
+    assert row not in hooks.active_hooks(cpu=False, guards=True)
