@@ -17,16 +17,20 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import checkpoint_kv_cache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from glm53_serving import kv_owner, kv_zero
 from tests.unit import real_hooks
 
-kv_hooks = pytest.fixture(autouse=True)(real_hooks.fixture(("zero", "owner")))
+kv_hooks = pytest.fixture(autouse=True)(real_hooks.fixture(("zero", "owner"), real_hooks.batch_rows))
 
 SIZE, LAYERS, ROWS, MAXLEN = 64, 2, 12, 48
 OWNERS = [
@@ -268,132 +272,163 @@ TestOwnerTagsMLA = OwnerTagsMLA.TestCase
 TestOwnerTagsMLA.settings = _settings
 
 
-# --- the batch-level hooks and a violation, on a minimal stand-in for ScheduleBatch -----------
+# --- the batch-level hooks and a violation, on real batch builds -------------------------------
+#
+# A real ScheduleBatch (ScheduleBatch.init_new) over a real ReqToTokenPool, allocator, pool and
+# RadixCache, with real Reqs, built the way the scheduler builds one: Req.init_next_round_input
+# (the prefix match), then prepare_for_extend / prepare_for_decode, which call SGLang's
+# alloc_for_extend / alloc_for_decode; the plugin's rows on those (and on the allocators) are
+# applied by HookRegistry, so the tagging and the check run because SGLang called them.
+# Two stand-ins: ModelConfig needs a Hugging Face model, and a batch build reads only
+# `vocab_size` (init_new, the sampling info) and `is_encoder_decoder` of it; the runtime
+# context (speculative algorithm, attention backend) is published from a default ServerArgs
+# (model_path "dummy": SGLang looks nothing up for it).
+MODEL = SimpleNamespace(vocab_size=32, is_encoder_decoder=False)
 
 
-def _batch(alloc, reqs, rows, lens):
-    tree = SimpleNamespace(token_to_kv_pool_allocator=alloc, supports_prefix_sharing=lambda: False)
-    return SimpleNamespace(
-        tree_cache=tree,
-        req_to_token_pool=ReqToTokenPool(ROWS - 1, MAXLEN, "cpu", False),
-        reqs=reqs,
-        req_pool_indices=torch.tensor(rows),
-        seq_lens=torch.tensor(lens),
-        seq_lens_cpu=torch.tensor(lens),
-    )
+@pytest.fixture(scope="module", autouse=True)
+def scheduler_context():
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="dummy", device="cpu", attention_backend="torch_native")
+    with runtime_context.use_context(runtime_context.create_context(args, role="scheduler")):
+        yield
 
 
-def _req(rid, salt, protected=0):
-    req = Req(rid, "", array("q", [5] * 8), SamplingParams(), cache_salt=salt)
-    req.kv.cache_protected_len = protected
-    return req
+class Scheduler:
+    """The scheduler's memory: a real ReqToTokenPool, allocator and pool, a real RadixCache."""
+
+    def __init__(self, page_size, mla=False):
+        self.pool, self.alloc = make(page_size, mla)
+        self.req_to_token_pool = ReqToTokenPool(ROWS - 1, MAXLEN, "cpu", False)
+        self.tree = RadixCache(
+            CacheInitParams(
+                disable=False,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.alloc,
+                page_size=page_size,
+            )
+        )
+
+    @property
+    def r2t(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    def extend(self, reqs) -> ScheduleBatch:
+        for r in reqs:
+            r.init_next_round_input(self.tree)  # the prefix match
+            r.extend_end = len(r.full_untruncated_fill_ids)  # PrefillAdder, for an unchunked request
+        batch = ScheduleBatch.init_new(
+            reqs, self.req_to_token_pool, self.alloc, self.tree, MODEL, False, SpeculativeAlgorithm.NONE
+        )
+        batch.prepare_for_extend()  # -> alloc_for_extend, hooked
+        return batch
+
+    def row(self, req, n=None) -> torch.Tensor:
+        return self.r2t[req.kv.req_pool_idx, : n if n is not None else req.kv.kv_allocated_len].to(torch.int64)
 
 
-def _check(batch, new=None):
-    n = len(batch.reqs)
-    new = new or kv_owner._Fresh(
-        starts=batch.seq_lens_cpu.tolist(), slots=torch.empty(0, dtype=torch.int64), offsets=[0] * (n + 1)
-    )
-    kv_owner.check_batch(
-        batch,
-        batch.req_pool_indices,
-        batch.seq_lens,
-        int(batch.seq_lens_cpu.max()),
-        kv_owner._owners(batch.reqs, "cpu"),
-        new,
-        where="decode",
-    )
+def _req(rid, salt, n=8):
+    return Req(rid, "", array("q", [5] * n), SamplingParams(), cache_salt=salt)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_violation_aborts_only_that_request_and_its_forward_reads_zeros(page_size, caplog):
-    pool, alloc = make(page_size)
+    s = Scheduler(page_size)
     a, b = _req("a", "tenant-a"), _req("victim-b", "tenant-b")
-    batch = _batch(alloc, [a, b], [1, 2], [8, 8])
-    sa, sb = alloc.alloc(8), alloc.alloc(8)
-    for req, slots, row in ((a, sa, 1), (b, sb, 2)):
-        kv_owner.claim(alloc, slots, torch.full((8,), kv_owner.owner_of(req)))
-        batch.req_to_token_pool.req_to_token[row, :8] = slots.to(torch.int32)
-        pool.k_buffer[0][slots] = 5.0
-    _check(batch)
+    batch = s.extend([a, b])
     assert a.to_finish is None and b.to_finish is None  # clean batch: nothing happens
+    sa, sb = s.row(a), s.row(b)
+    s.pool.k_buffer[0][sa] = 5.0
+    s.pool.k_buffer[0][sb] = 5.0
 
-    batch.req_to_token_pool.req_to_token[2, 3] = int(sa[0])  # b's row now points at a's KV
-    free_before = alloc.available_size()
-    _check(batch)
+    s.r2t[b.kv.req_pool_idx, 3] = int(sa[0])  # b's row now points at a's KV
+    free_before = s.alloc.available_size()
+    batch.prepare_for_decode()  # -> alloc_for_decode, hooked: the check runs before the forward
+    decoded = torch.unique(batch.out_cache_loc // page_size).numel() * page_size
     assert a.to_finish is None, "a violation must abort only the request that would read foreign KV"
     assert b.to_finish.status_code == 500 and b.to_finish.err_type == "kv_isolation_violation"
     assert b.skip_radix_cache_insert
-    row_b = batch.req_to_token_pool.req_to_token[2, :8].to(torch.int64)
+    row_b = s.row(b, 9)
     assert not torch.isin(row_b, sa).any(), "b's row still reaches a's pages"
-    assert torch.count_nonzero(pool.k_buffer[0][row_b[3]]) == 0, "the redirected page must read zeros"
+    assert torch.count_nonzero(s.pool.k_buffer[0][row_b[3]]) == 0, "the redirected page must read zeros"
     assert not kv_owner.foreign(
-        alloc,
-        batch.req_to_token_pool.req_to_token,
-        torch.tensor([2]),
-        torch.tensor([8]),
+        s.alloc,
+        s.r2t,
+        torch.tensor([b.kv.req_pool_idx]),
+        torch.tensor([9]),
         MAXLEN,
         torch.tensor([kv_owner.owner_of(b)]),
     ).any()
-    assert alloc.available_size() == free_before - page_size  # one fresh page, owned by b, freed with it
+    # one fresh page, owned by b, freed with it
+    assert s.alloc.available_size() == free_before - decoded - page_size
     # The overlap scheduler builds one more batch with b before its abort lands: no second repair.
-    _check(batch)
-    assert alloc.available_size() == free_before - page_size
+    free_before = s.alloc.available_size()
+    batch.prepare_for_decode()
+    decoded = sum(1 for n in (9, 9) if n % page_size == 0) * page_size
+    assert s.alloc.available_size() == free_before - decoded
     assert "victim-b" in caplog.text and "KV isolation violation" in caplog.text
-    assert bool((pool.k_buffer[0][sa] == 5.0).all()), "a's KV must be left untouched"
+    assert bool((s.pool.k_buffer[0][sa] == 5.0).all()), "a's KV must be left untouched"
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_foreign_index_over_a_just_allocated_position_is_undone_without_leaking(page_size):
+def test_a_foreign_index_over_a_just_allocated_position_is_undone_without_leaking(page_size, monkeypatch):
     # The row position was filled by this very allocation: the repair puts back the slot the
     # allocator handed out (zeroed), so the request's release frees exactly what it holds.
-    pool, alloc = make(page_size)
+    # The fault: SGLang's row writer (write_cache_indices, called by alloc_for_extend before
+    # the hook runs) leaves one of a's live slots at b's position 0.
+    from sglang.srt.mem_cache import allocation
+
+    s = Scheduler(page_size)
     a, b = _req("a", "tenant-a"), _req("b", "tenant-b")
-    batch = _batch(alloc, [b], [2], [8])
-    sa = alloc.alloc(8)
-    kv_owner.claim(alloc, sa, torch.full((8,), kv_owner.owner_of(a)))
-    sb = alloc.alloc(8)
-    kv_owner.claim(alloc, sb, torch.full((8,), kv_owner.owner_of(b)))
-    batch.req_to_token_pool.req_to_token[2, :8] = sb.to(torch.int32)
-    batch.req_to_token_pool.req_to_token[2, 0] = int(sa[5])
-    free_before = alloc.available_size()
-    _check(batch, kv_owner._Fresh(starts=[0], slots=sb, offsets=[0, 8]))
+    s.extend([a])
+    sa = s.row(a)
+    real_write = allocation.write_cache_indices
+
+    def corrupt_write(out_cache_loc, req_pool_indices, *args):
+        real_write(out_cache_loc, req_pool_indices, *args)
+        s.r2t[int(req_pool_indices[0]), 0] = int(sa[5])
+
+    monkeypatch.setattr(allocation, "write_cache_indices", corrupt_write)
+    free_before = s.alloc.available_size()
+    batch = s.extend([b])
+    sb = batch.out_cache_loc.to(torch.int64)
     assert b.to_finish.err_type == "kv_isolation_violation"
-    assert torch.equal(batch.req_to_token_pool.req_to_token[2, :8].to(torch.int64), sb)
-    assert alloc.available_size() == free_before
+    assert torch.equal(s.row(b, 8), sb)
+    assert s.alloc.available_size() == free_before - 8  # b's own 8 slots, nothing displaced or added
 
 
 def test_a_foreign_page_in_the_protected_prefix_reads_the_padding_page_and_is_not_freed():
-    pool, alloc = make(4)
-    a, b = _req("a", "tenant-a"), _req("b", "tenant-b", protected=4)
-    batch = _batch(alloc, [b], [2], [8])
-    sa = alloc.alloc(4)
-    kv_owner.claim(alloc, sa, torch.full((4,), kv_owner.owner_of(a)))
-    sb = alloc.alloc(4)
-    kv_owner.claim(alloc, sb, torch.full((4,), kv_owner.owner_of(b)))
-    batch.req_to_token_pool.req_to_token[2, :8] = torch.cat([sa, sb]).to(torch.int32)  # a "shared" foreign prefix
-    free_before = alloc.available_size()
-    _check(batch)
-    assert batch.req_to_token_pool.req_to_token[2, :4].tolist() == [0, 1, 2, 3]
-    assert alloc.available_size() == free_before and b.to_finish is not None
+    # The fault: the prefix match does not carry the namespace (b is matched as tenant-a), so
+    # b's row starts with a's cached page, which b protects (cache_protected_len) and never frees.
+    s = Scheduler(4)
+    a, b = _req("a", "tenant-a"), _req("b", "tenant-a")
+    s.extend([a])
+    checkpoint_kv_cache(a, s.tree)  # a's prompt goes into the radix cache
+    sa = s.row(a)
+    b.init_next_round_input(s.tree)
+    assert b.prefix_len == 4 and b.kv.cache_protected_len == 4
+    b.cache_salt = "tenant-b"
+    b.extend_end = 8
+    free_before = s.alloc.available_size()
+    batch = ScheduleBatch.init_new([b], s.req_to_token_pool, s.alloc, s.tree, MODEL, False, SpeculativeAlgorithm.NONE)
+    batch.prepare_for_extend()
+    assert s.r2t[b.kv.req_pool_idx, :4].tolist() == [0, 1, 2, 3]
+    assert s.alloc.available_size() == free_before - 4 and b.to_finish is not None  # only b's own new page
+    assert kv_owner.tags_of(s.alloc)[int(sa[0]) // 4] == kv_owner.owner_of(a)  # a's page stays a's
 
 
 def test_extend_and_decode_hooks_tag_new_slots_for_each_request():
-    pool, alloc = make(1)
-    a, b = _req("a", "tenant-a"), _req("b", None)
-    batch = _batch(alloc, [a, b], [1, 2], [3, 5])
-    batch.extend_lens, batch.prefix_lens = [3, 5], [0, 0]
-    out = alloc.alloc(8)
-    batch.req_to_token_pool.req_to_token[1, :3] = out[:3].to(torch.int32)
-    batch.req_to_token_pool.req_to_token[2, :5] = out[3:].to(torch.int32)
-    kv_owner.tag_and_check_extend((out, batch.req_pool_indices, batch.req_pool_indices), batch)
-    tags = kv_owner.tags_of(alloc)
+    s = Scheduler(1)
+    a, b = _req("a", "tenant-a", 3), _req("b", None, 5)
+    batch = s.extend([a, b])
+    out = batch.out_cache_loc
+    tags = kv_owner.tags_of(s.alloc)
     assert tags[out[:3]].tolist() == [kv_owner.owner_of(a)] * 3 and tags[out[3:]].tolist() == [1] * 5
     assert a.to_finish is None and b.to_finish is None
-    new = alloc.alloc(2)
-    batch.req_to_token_pool.req_to_token[1, 3] = int(new[0])
-    batch.req_to_token_pool.req_to_token[2, 5] = int(new[1])
-    kv_owner.tag_and_check_decode(new, batch, token_per_req=1)
+    batch.prepare_for_decode()
+    new = batch.out_cache_loc
     assert tags[new].tolist() == [kv_owner.owner_of(a), 1] and a.to_finish is None and b.to_finish is None
 
 
