@@ -1,14 +1,16 @@
-"""Owner tags and the read check, on the real SGLang allocators and pools (CPU), by stateful property test.
+"""Owner tags and the read check, on the real SGLang scheduler objects (CPU), by stateful property test.
 
-The allocators' methods run with the plugin's "zero" and "owner" rows applied by SGLang's own
-HookRegistry, as in a server (tests/unit/real_hooks.py): random multi-owner
-alloc/extend/decode/prefix-share/evict/free sequences drive the real `alloc`, `alloc_extend`,
-`alloc_decode`, `free`, `free_page_ids` and free groups. Requests are modelled the way the
-scheduler drives the allocators: a row in a req_to_token table, a prefix shared through a cache
-that keys on the namespace (as the radix key does). The batch-level checks run on real `Req`
-objects and a real `ReqToTokenPool` inside a minimal stand-in for ScheduleBatch (which needs a
-whole scheduler to build)."""
+Every allocation is a real batch build: real `Req`s in a real `ScheduleBatch` (init_new) over a
+real ReqToTokenPool, allocator, pool and RadixCache; `prepare_for_extend` / `prepare_for_decode`
+call SGLang's `alloc_for_extend` / `alloc_for_decode`, and the plugin's "zero" and "owner" rows on
+those and on the allocators are applied by SGLang's own HookRegistry, as in a server
+(tests/unit/real_hooks.py). So the tags are set, checked and reset because SGLang called the
+hooks; the tests call no hook function. Random multi-owner extend/decode/prefix-share/evict/free
+sequences release through the allocator's real `free`, `free_page_ids` and free groups; faults
+(a foreign index in a row) are injected into the row or into SGLang's own row writer and prefix
+match, and the next real batch build must catch them."""
 
+import logging
 from array import array
 from types import SimpleNamespace
 
@@ -33,12 +35,8 @@ from tests.unit import real_hooks
 kv_hooks = pytest.fixture(autouse=True)(real_hooks.fixture(("zero", "owner"), real_hooks.batch_rows))
 
 SIZE, LAYERS, ROWS, MAXLEN = 64, 2, 12, 48
-OWNERS = [
-    kv_owner.namespace_id(None, None),
-    kv_owner.namespace_id("tenant-a", None),
-    kv_owner.namespace_id("tenant-b", None),
-    kv_owner.namespace_id(None, "lora-x"),
-]
+NAMESPACES = [(None, None), ("tenant-a", None), ("tenant-b", None), (None, "lora-x")]  # (cache_salt, extra_key)
+OWNERS = [kv_owner.namespace_id(*ns) for ns in NAMESPACES]
 
 
 def make(page_size, mla=False):
@@ -96,31 +94,106 @@ def test_namespace_ids_are_stable_across_processes():
     assert runs == {f"{OWNERS[1]} {OWNERS[3]}\n"}
 
 
+class _Flagged(logging.Handler):
+    """Collects the row positions of each KV isolation violation the plugin logs."""
+
+    def __init__(self, into):
+        super().__init__(logging.ERROR)
+        self.into = into
+
+    def emit(self, record):
+        if "KV isolation violation" in record.msg:
+            self.into.append(list(record.args[4]))
+
+
+# --- real batch builds ---------------------------------------------------------------------
+#
+# A real ScheduleBatch (ScheduleBatch.init_new) over a real ReqToTokenPool, allocator, pool and
+# RadixCache, with real Reqs, built the way the scheduler builds one: Req.init_next_round_input
+# (the prefix match), then prepare_for_extend / prepare_for_decode, which call SGLang's
+# alloc_for_extend / alloc_for_decode; the plugin's rows on those (and on the allocators) are
+# applied by HookRegistry, so the tagging and the check run because SGLang called them.
+# Two stand-ins: ModelConfig needs a Hugging Face model, and a batch build reads only
+# `vocab_size` (init_new, the sampling info) and `is_encoder_decoder` of it; the runtime
+# context (speculative algorithm, attention backend) is published from a default ServerArgs
+# (model_path "dummy": SGLang looks nothing up for it).
+MODEL = SimpleNamespace(vocab_size=32, is_encoder_decoder=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def scheduler_context():
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="dummy", device="cpu", attention_backend="torch_native")
+    with runtime_context.use_context(runtime_context.create_context(args, role="scheduler")):
+        yield
+
+
+class Scheduler:
+    """The scheduler's memory: a real ReqToTokenPool, allocator and pool, a real RadixCache."""
+
+    def __init__(self, page_size, mla=False, radix=True):
+        self.pool, self.alloc = make(page_size, mla)
+        self.req_to_token_pool = ReqToTokenPool(ROWS - 1, MAXLEN, "cpu", False)
+        self.tree = RadixCache(
+            CacheInitParams(
+                disable=not radix,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.alloc,
+                page_size=page_size,
+            )
+        )
+
+    @property
+    def r2t(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    def extend(self, reqs, matched=True) -> ScheduleBatch:
+        for r in reqs:
+            if matched:
+                r.init_next_round_input(self.tree)  # the prefix match
+            r.extend_end = len(r.full_untruncated_fill_ids)  # PrefillAdder, for an unchunked request
+        batch = ScheduleBatch.init_new(
+            reqs, self.req_to_token_pool, self.alloc, self.tree, MODEL, False, SpeculativeAlgorithm.NONE
+        )
+        batch.prepare_for_extend()  # -> alloc_for_extend, hooked
+        return batch
+
+    def row(self, req, n=None) -> torch.Tensor:
+        return self.r2t[req.kv.req_pool_idx, : n if n is not None else req.kv.kv_allocated_len].to(torch.int64)
+
+
 class OwnerTags(RuleBasedStateMachine):
+    """Requests of several namespaces extend, decode, share cached prefixes, finish and are
+    evicted; every allocation is a real batch build (prepare_for_extend / prepare_for_decode ->
+    alloc_for_extend / alloc_for_decode, hooked), so the plugin tags and checks because SGLang
+    called it. A shared prefix is presented the way a request that holds its row presents it
+    (alloc_for_extend reads row[:prefix_len] of a request that holds its row): the machine keeps
+    the namespaced prefix cache itself (the RadixCache is off), so that eviction and release can
+    take each of the allocator's free paths."""
+
     page_size = 1
     mla = False
 
     def __init__(self):
         super().__init__()
-        self.pool, self.alloc = make(self.page_size, self.mla)
+        self.s = Scheduler(self.page_size, self.mla, radix=False)
+        self.pool, self.alloc, self.r2t = self.s.pool, self.s.alloc, self.s.r2t
         self.p = self.alloc.page_size
-        self.r2t = torch.zeros(ROWS, MAXLEN, dtype=torch.int32)
-        self.free_rows = list(range(1, ROWS))
-        self.live: dict[int, dict] = {}  # row -> {"owner", "len", "shared": prefix len held by the cache}
+        self.live: dict[int, dict] = {}  # row -> {"req", "batch", "owner", "len", "shared", "prefix"}
         self.cache: list[dict] = []  # cached prefixes: {"owner", "slots", "users"}
-        kv_owner.tags_of(self.alloc)
+        self.n = 0
+        self.flagged: list[list[int]] = []  # positions of each violation the plugin logged
+        self._log = _Flagged(self.flagged)
+        logging.getLogger("glm53_serving").addHandler(self._log)
+
+    def teardown(self):
+        logging.getLogger("glm53_serving").removeHandler(self._log)
 
     # -- helpers ------------------------------------------------------------------------------
     def _row(self, row, n):
         return self.r2t[row, :n].to(torch.int64)
-
-    def _check(self, row, owner, n) -> torch.Tensor:
-        return kv_owner.foreign(
-            self.alloc, self.r2t, torch.tensor([row]), torch.tensor([n]), MAXLEN, torch.tensor([owner])
-        )[0]
-
-    def _claim(self, slots, owner):
-        kv_owner.claim(self.alloc, slots, torch.full((slots.numel(),), owner, dtype=torch.int64))
 
     def _fresh_reads_zero(self, slots):
         for buf in kv_zero.layer_buffers(self.pool):
@@ -130,58 +203,64 @@ class OwnerTags(RuleBasedStateMachine):
         for buf in kv_zero.layer_buffers(self.pool):
             buf[slots] = float(owner % 1000 + 1)
 
+    def _release(self, row, how):
+        """The request's release: the slots of its row it holds go back through `how`, its row too."""
+        r = self.live.pop(row)
+        own = self._row(row, r["len"])[r["shared"] :]
+        if r["prefix"] is not None:
+            r["prefix"]["users"] -= 1
+        if own.numel():
+            free(self.alloc, own, how)
+        self.s.req_to_token_pool.free(r["req"])
+
     # -- rules --------------------------------------------------------------------------------
-    @precondition(lambda self: self.free_rows)
-    @rule(owner=st.sampled_from(OWNERS), n=st.integers(1, 24), share=st.booleans())
-    def extend(self, owner, n, share):
+    @precondition(lambda self: self.s.req_to_token_pool.available_size())
+    @rule(ns=st.sampled_from(NAMESPACES), n=st.integers(1, 24), share=st.booleans())
+    def extend(self, ns, n, share):
+        owner = kv_owner.namespace_id(*ns)
         prefix = next((c for c in self.cache if c["owner"] == owner), None) if share else None
         pre = prefix["slots"] if prefix is not None else torch.empty(0, dtype=torch.int64)
         total = pre.numel() + n
-        if total > MAXLEN:
+        if total > MAXLEN or self.alloc.available_size() < n + self.p:
             return
-        if self.p == 1:
-            new = self.alloc.alloc(n)
-        else:
-            last = pre[-1:] if pre.numel() else torch.tensor([-1])
-            new = self.alloc.alloc_extend(
-                torch.tensor([pre.numel()]),
-                torch.tensor([pre.numel()]),
-                torch.tensor([total]),
-                torch.tensor([total]),
-                last,
-                n,
-            )
-        if new is None:
-            return
+        self.n += 1
+        req = Req(f"r{self.n}", "", array("q", [5] * total), SamplingParams(), cache_salt=ns[0], extra_key=ns[1])
+        req.init_next_round_input(self.s.tree)  # the cache is off: no match, fill ids set
+        if prefix is not None:  # the request holds its row, its prefix in it (and does not free it)
+            self.s.req_to_token_pool.alloc([req])
+            self.r2t[req.kv.req_pool_idx, : pre.numel()] = pre.to(torch.int32)
+            req.prefix_len = req.kv.cache_protected_len = pre.numel()
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = pre.numel()
+        batch = self.s.extend([req], matched=False)
+        new = batch.out_cache_loc
+        row = req.kv.req_pool_idx
         self._fresh_reads_zero(new)
-        self._claim(new, owner)
-        row = self.free_rows.pop()
-        self.r2t[row, : pre.numel()] = pre.to(torch.int32)
-        self.r2t[row, pre.numel() : total] = new.to(torch.int32)
-        assert not self._check(row, owner, total).any(), "an owner failed the check on its own pages"
+        assert req.to_finish is None, "an owner failed the check on its own pages"
+        assert torch.equal(self._row(row, total)[pre.numel() :], new.to(torch.int64))
         self._write(new, owner)
         if prefix is not None:
             prefix["users"] += 1
-        self.live[row] = {"owner": owner, "len": total, "shared": pre.numel(), "prefix": prefix}
+        self.live[row] = {
+            "req": req,
+            "batch": batch,
+            "owner": owner,
+            "len": total,
+            "shared": pre.numel(),
+            "prefix": prefix,
+        }
 
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 100))
     def decode(self, pick):
         row = sorted(self.live)[pick % len(self.live)]
         r = self.live[row]
-        if r["len"] >= MAXLEN:
+        if r["len"] >= MAXLEN or self.alloc.available_size() < self.p:
             return
-        if self.p == 1:
-            new = self.alloc.alloc(1)
-        else:
-            last = self.r2t[row, r["len"] - 1 : r["len"]].to(torch.int64)
-            new = self.alloc.alloc_decode(torch.tensor([r["len"] + 1]), torch.tensor([r["len"] + 1]), last)
-        if new is None:
-            return
-        self._claim(new, r["owner"])
-        self.r2t[row, r["len"]] = int(new[0])
+        r["batch"].prepare_for_decode()
+        new = r["batch"].out_cache_loc
+        assert int(self.r2t[row, r["len"]]) == int(new[0])
         r["len"] += 1
-        assert not self._check(row, r["owner"], r["len"]).any()
+        assert r["req"].to_finish is None, "an owner failed the check on its own pages"
         self._write(new, r["owner"])
 
     @precondition(lambda self: self.live)
@@ -189,19 +268,13 @@ class OwnerTags(RuleBasedStateMachine):
     def finish(self, pick, keep, how):
         """Release a request; with `keep`, its whole pages become a cached prefix (the radix insert)."""
         row = sorted(self.live)[pick % len(self.live)]
-        r = self.live.pop(row)
-        slots = self._row(row, r["len"])
-        own = slots[r["shared"] :]
-        if r["prefix"] is not None:
-            r["prefix"]["users"] -= 1
+        r = self.live[row]
         if keep and r["prefix"] is None:
             whole = r["len"] // self.p * self.p
             if whole:
-                self.cache.append({"owner": r["owner"], "slots": slots[:whole].clone(), "users": 0})
-                own = slots[whole:]
-        if own.numel():
-            free(self.alloc, own, how)
-        self.free_rows.append(row)
+                self.cache.append({"owner": r["owner"], "slots": self._row(row, whole).clone(), "users": 0})
+                r["shared"] = whole  # no longer the request's to free
+        self._release(row, how)
 
     @precondition(lambda self: any(c["users"] == 0 for c in self.cache))
     @rule(pick=st.integers(0, 100), how=st.sampled_from(FREES))
@@ -214,18 +287,46 @@ class OwnerTags(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 100), pos=st.integers(0, MAXLEN - 1), other=st.integers(0, SIZE))
     def foreign_index_is_caught_and_stale_tail_is_ignored(self, pick, pos, other):
-        """Poison one row position with another slot: the check flags it iff the position is
-        inside the row's length and the slot's page is not the row owner's."""
+        """Poison one row position with another slot, then build the request's next decode batch:
+        the check flags it (and only it) iff the position is inside the row's length and the
+        slot's page is not the row owner's; a flagged request is aborted and released."""
         row = sorted(self.live)[pick % len(self.live)]
         r = self.live[row]
+        n = r["len"]
+        if n >= MAXLEN or self.alloc.available_size() < 2 * self.p:  # the decode's page and a quarantine page
+            return
+        if self.p > 1 and pos == n - 1 and n % self.p:
+            # The position alloc_decode continues the row's last page from (last_loc): poisoned,
+            # the allocator itself hands out the next slot of the poisoned page, a different
+            # fault: test_a_foreign_last_position_is_caught_with_the_slot_the_decode_continues_it_with.
+            return
         saved = self.r2t[row].clone()
         slot = other % (SIZE + self.p)  # any slot id, owned by anyone or free
         self.r2t[row, pos] = slot
-        bad = self._check(row, r["owner"], r["len"])
         page_owner = int(kv_owner.tags_of(self.alloc)[slot // self.p])
-        assert bool(bad[pos]) == (pos < r["len"] and page_owner != r["owner"])
-        assert int(bad.sum()) == int(bad[pos])  # nothing else flagged, nothing beyond the length
-        self.r2t[row] = saved
+        flagged_before = len(self.flagged)
+        r["batch"].prepare_for_decode()
+        new = r["batch"].out_cache_loc
+        r["len"] = n + 1
+        if page_owner == kv_owner.FREE and slot // self.p in (new // self.p).tolist():
+            page_owner = r["owner"]  # a free page this very decode took: the row's when the check ran
+        caught = pos < n and page_owner != r["owner"]
+        req = r["req"]
+        if not caught:
+            assert req.to_finish is None and len(self.flagged) == flagged_before
+            saved[n] = new[0]  # the decode's slot; the poisoned position back as it was
+            self.r2t[row] = saved
+            self._write(new, r["owner"])
+            return
+        assert req.to_finish is not None and req.to_finish.err_type == "kv_isolation_violation"
+        assert self.flagged[flagged_before:] == [[pos]], "only the poisoned position is flagged"
+        # The quarantine re-pointed the poisoned logical page and does not free what it displaced
+        # (it cannot trust it); what it displaced here is the request's own, so give it back.
+        held = set((self._row(row, n + 1)[r["shared"] :] // self.p).tolist())
+        displaced = set((saved[r["shared"] : n].to(torch.int64) // self.p).tolist()) - held
+        if displaced:
+            self.alloc.free_page_ids(torch.tensor(sorted(displaced), dtype=torch.int64))
+        self._release(row, "free")
 
     # -- invariants ---------------------------------------------------------------------------
     @invariant()
@@ -272,61 +373,7 @@ TestOwnerTagsMLA = OwnerTagsMLA.TestCase
 TestOwnerTagsMLA.settings = _settings
 
 
-# --- the batch-level hooks and a violation, on real batch builds -------------------------------
-#
-# A real ScheduleBatch (ScheduleBatch.init_new) over a real ReqToTokenPool, allocator, pool and
-# RadixCache, with real Reqs, built the way the scheduler builds one: Req.init_next_round_input
-# (the prefix match), then prepare_for_extend / prepare_for_decode, which call SGLang's
-# alloc_for_extend / alloc_for_decode; the plugin's rows on those (and on the allocators) are
-# applied by HookRegistry, so the tagging and the check run because SGLang called them.
-# Two stand-ins: ModelConfig needs a Hugging Face model, and a batch build reads only
-# `vocab_size` (init_new, the sampling info) and `is_encoder_decoder` of it; the runtime
-# context (speculative algorithm, attention backend) is published from a default ServerArgs
-# (model_path "dummy": SGLang looks nothing up for it).
-MODEL = SimpleNamespace(vocab_size=32, is_encoder_decoder=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def scheduler_context():
-    from sglang.srt import runtime_context
-    from sglang.srt.server_args import ServerArgs
-
-    args = ServerArgs(model_path="dummy", device="cpu", attention_backend="torch_native")
-    with runtime_context.use_context(runtime_context.create_context(args, role="scheduler")):
-        yield
-
-
-class Scheduler:
-    """The scheduler's memory: a real ReqToTokenPool, allocator and pool, a real RadixCache."""
-
-    def __init__(self, page_size, mla=False):
-        self.pool, self.alloc = make(page_size, mla)
-        self.req_to_token_pool = ReqToTokenPool(ROWS - 1, MAXLEN, "cpu", False)
-        self.tree = RadixCache(
-            CacheInitParams(
-                disable=False,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.alloc,
-                page_size=page_size,
-            )
-        )
-
-    @property
-    def r2t(self) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token
-
-    def extend(self, reqs) -> ScheduleBatch:
-        for r in reqs:
-            r.init_next_round_input(self.tree)  # the prefix match
-            r.extend_end = len(r.full_untruncated_fill_ids)  # PrefillAdder, for an unchunked request
-        batch = ScheduleBatch.init_new(
-            reqs, self.req_to_token_pool, self.alloc, self.tree, MODEL, False, SpeculativeAlgorithm.NONE
-        )
-        batch.prepare_for_extend()  # -> alloc_for_extend, hooked
-        return batch
-
-    def row(self, req, n=None) -> torch.Tensor:
-        return self.r2t[req.kv.req_pool_idx, : n if n is not None else req.kv.kv_allocated_len].to(torch.int64)
+# --- the batch-level hooks and a violation ---------------------------------------------------
 
 
 def _req(rid, salt, n=8):
@@ -438,3 +485,31 @@ def test_claim_never_relabels_an_owned_page():
     kv_owner.claim(alloc, slots[:2], torch.full((2,), 7))
     kv_owner.claim(alloc, slots[2:], torch.full((2,), 9))  # same page, another owner: stays 7
     assert int(kv_owner.tags_of(alloc)[slots[0] // 4]) == 7
+
+
+def test_a_foreign_last_position_is_caught_with_the_slot_the_decode_continues_it_with(caplog):
+    # A paged decode continues the row's last page from its last position (alloc_decode's
+    # last_loc): a foreign index there makes the allocator itself hand out the next slot of the
+    # foreign page. Both positions are caught; the logical page is re-pointed at a fresh one.
+    s = Scheduler(4)
+    a, b = _req("a", "tenant-a"), _req("b", "tenant-b", 6)
+    s.extend([a])
+    batch = s.extend([b])
+    sa = s.row(a)
+    s.pool.k_buffer[0][sa] = 5.0
+    s.r2t[b.kv.req_pool_idx, 5] = int(sa[1])  # the same offset in its page as position 5
+    free_before = s.alloc.available_size()
+    batch.prepare_for_decode()
+    assert int(batch.out_cache_loc[0]) == int(sa[2]), "the decode continued the foreign page"
+    assert b.to_finish.err_type == "kv_isolation_violation" and a.to_finish is None
+    assert "positions [5, 6]" in caplog.text
+    row_b = s.row(b, 7)
+    assert not torch.isin(row_b // 4, sa // 4).any(), "b's row still reaches a's pages"
+    assert torch.count_nonzero(s.pool.k_buffer[0][row_b[4:]]) == 0, "the redirected page must read zeros"
+    assert (kv_owner.tags_of(s.alloc)[sa // 4] == kv_owner.owner_of(a)).all(), "a's pages stay a's"
+    # All of a's KV but the slot the allocator handed out: the "zero" part's hook on alloc_decode
+    # zeroes that slot before the owner check runs (a's KV loses that one slot's values; nothing
+    # of a's is read by b). Reported as a finding, not asserted as wanted behaviour.
+    untouched = sa[sa != sa[2]]
+    assert bool((s.pool.k_buffer[0][untouched] == 5.0).all()), "a's KV must be left untouched"
+    assert s.alloc.available_size() == free_before - 4  # only the fresh page
