@@ -7,16 +7,29 @@ HookRegistry, exactly as in a server, instead of calling our hook functions by h
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Callable
 
 from glm53_serving import hooks
 
 ALLOCATOR_CLASSES = ("TokenToKVPoolAllocator.", "PagedTokenToKVPoolAllocator.")
+# The scheduler's batch-build entry points (ScheduleBatch.prepare_for_extend / prepare_for_decode
+# call them through their own `from ... import` binding, which HookRegistry re-points too).
+BATCH_ENTRY_POINTS = (
+    "sglang.srt.mem_cache.allocation.alloc_for_extend",
+    "sglang.srt.mem_cache.allocation.alloc_for_decode",
+)
 
 
 def allocator_rows(parts: tuple[str, ...]) -> tuple[hooks.Hook, ...]:
     """The rows on the allocators' own methods for these KV guard parts."""
     return tuple(h for h in hooks.HOOKS if h.part in parts and any(c in h.target for c in ALLOCATOR_CLASSES))
+
+
+def batch_rows(parts: tuple[str, ...]) -> tuple[hooks.Hook, ...]:
+    """The allocator rows plus the rows on the batch-build entry points for these parts."""
+    return allocator_rows(parts) + tuple(h for h in hooks.HOOKS if h.part in parts and h.target in BATCH_ENTRY_POINTS)
 
 
 @contextlib.contextmanager
@@ -40,15 +53,20 @@ def applied(rows: tuple[hooks.Hook, ...]):
         yield
     finally:
         for cls, attr, raw in saved:
+            wrapped = cls.__dict__[attr]
             setattr(cls, attr, raw)
+            if isinstance(cls, types.ModuleType):  # HookRegistry also re-pointed every importer's binding
+                for mod in list(sys.modules.values()):
+                    if isinstance(mod, types.ModuleType) and vars(mod).get(attr) is wrapped:
+                        setattr(mod, attr, raw)
         HookRegistry.reset()
 
 
-def fixture(parts: tuple[str, ...]) -> Callable:
-    """A pytest fixture body applying the allocator rows of `parts` for one test."""
+def fixture(parts: tuple[str, ...], rows: Callable = allocator_rows) -> Callable:
+    """A pytest fixture body applying the rows of `parts` (by default the allocator rows) for one test."""
 
     def body():
-        with applied(allocator_rows(parts)):
+        with applied(rows(parts)):
             yield
 
     return body
