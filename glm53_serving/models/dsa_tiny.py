@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from glm53_serving.models import tiny
@@ -83,21 +81,7 @@ def default_path() -> Path:
 
 def ensure(path: Path | None = None) -> Path:
     """Return the checkpoint directory, generating it first if it is missing."""
-    path = Path(path) if path else default_path()
-    if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    try:
-        generate(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return tiny.ensure_checkpoint(Path(path) if path else default_path(), generate)
 
 
 def generate(out: Path) -> None:
