@@ -53,6 +53,11 @@ DEPLOYMENT = Var(
     "launcher",
     "glm53",
 )
+CPU_DSA = Var(
+    "GLM53_CPU_DSA",
+    '"1": apply the CPU rows for GLM-5.x DSA models (cpu_dsa.py); set for a DSA model on a CPU topology',
+    "launcher",
+)
 PREFILL_BOOTSTRAP = Var(
     "GLM53_PREFILL_BOOTSTRAP", '"host:port,...": the only prefill bootstrap endpoints a PD worker accepts', "launcher"
 )
@@ -72,6 +77,7 @@ VARS: tuple[Var, ...] = (
     ASSERTION_KEY_FILE,
     TENANTS,
     DEPLOYMENT,
+    CPU_DSA,
     PREFILL_BOOTSTRAP,
     SERVING_DISABLE,
     KV_GUARD_OFF,

@@ -37,6 +37,10 @@ class Hook:
     why: str
     guard: bool = True  # a security guard (off only with GLM53_SERVING_DISABLE=1) vs. a platform fix
     cpu_only: bool = False
+    # A CPU row for GLM-5.x DSA models only (cpu_dsa.py): applied where the launcher serves one
+    # (env.CPU_DSA), so other CPU servers do not import the DSA and DeepSeek modules it patches
+    # (tens of seconds per process start on 2 cores).
+    dsa_only: bool = False
     value: Any = None  # ATTR only
     # Where the row is in effect and verified: "any" process, or only "scheduler" processes
     # (rows applied by a scheduler-side hook, so that other processes never import their module).
@@ -53,6 +57,7 @@ class Hook:
             and self.why
             and self.process in ("any", "scheduler")
             and self.part in (None, *KV_PARTS)
+            and (self.cpu_only or not self.dsa_only)
         ):
             raise ValueError(f"malformed hook row: {self}")
 
@@ -307,6 +312,7 @@ HOOKS: tuple[Hook, ...] = (
         "NPU/XPU (arg_groups/model_hook.py:341), which raises without an NVIDIA driver",
         guard=False,
         cpu_only=True,
+        dsa_only=True,
     ),
     Hook(
         "sglang.srt.arg_groups.overrides._dsa_kv_cache_dtype_default",
@@ -317,6 +323,7 @@ HOOKS: tuple[Hook, ...] = (
         "(:527-550); the CPU path keeps the model dtype",
         guard=False,
         cpu_only=True,
+        dsa_only=True,
     ),
     Hook(
         "sglang.srt.arg_groups.overrides._dsa_split_backend_resolution",
@@ -327,6 +334,7 @@ HOOKS: tuple[Hook, ...] = (
         "CPU attends with torch_native",
         guard=False,
         cpu_only=True,
+        dsa_only=True,
     ),
     Hook(
         "sglang.srt.layers.rotary_embedding.factory.get_rope_cpu",
@@ -337,6 +345,7 @@ HOOKS: tuple[Hook, ...] = (
         "attention and DSA indexer use plain RoPE, which the generic get_rope builds",
         guard=False,
         cpu_only=True,
+        dsa_only=True,
     ),
     Hook(
         "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler",
@@ -348,6 +357,7 @@ HOOKS: tuple[Hook, ...] = (
         "torch_native_backend.py:315: shape error); torch_native takes the absorbed MLA path",
         guard=False,
         cpu_only=True,
+        dsa_only=True,
     ),
     Hook(
         "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native",
@@ -358,6 +368,7 @@ HOOKS: tuple[Hook, ...] = (
         "at :2245): a pure-PyTorch one writing fp8 index-K pages in SGLang's layout",
         guard=False,
         cpu_only=True,
+        dsa_only=True,
     ),
     Hook(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
@@ -368,6 +379,7 @@ HOOKS: tuple[Hook, ...] = (
         "does not take (torch_native_backend.py:279, TypeError); with it, sparse MLA attention",
         guard=False,
         cpu_only=True,
+        dsa_only=True,
     ),
     Hook(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
@@ -377,6 +389,7 @@ HOOKS: tuple[Hook, ...] = (
         "DSA decode: as forward_extend (torch_native_backend.py:338)",
         guard=False,
         cpu_only=True,
+        dsa_only=True,
     ),
 )
 
@@ -459,10 +472,16 @@ INTERNAL_ATTRS: dict[str, tuple[str, ...]] = {
 }
 
 
-def active_hooks(*, cpu: bool, guards: bool, parts_off: frozenset[str] = frozenset()) -> tuple[Hook, ...]:
-    """The rows that apply to a process on this platform with guards on or off and the KV guard
-    parts in `parts_off` switched off."""
-    return tuple(h for h in HOOKS if (cpu or not h.cpu_only) and (guards or not h.guard) and h.part not in parts_off)
+def active_hooks(
+    *, cpu: bool, guards: bool, parts_off: frozenset[str] = frozenset(), dsa: bool = False
+) -> tuple[Hook, ...]:
+    """The rows that apply to a process on this platform (serving a GLM-5.x DSA model on CPU or
+    not) with guards on or off and the KV guard parts in `parts_off` switched off."""
+    return tuple(
+        h
+        for h in HOOKS
+        if (cpu or not h.cpu_only) and (dsa or not h.dsa_only) and (guards or not h.guard) and h.part not in parts_off
+    )
 
 
 def _split(target: str) -> tuple[Any, str]:

@@ -79,7 +79,7 @@ def register() -> None:
     try:
         _disabled = guards_disabled()
         _kv_off = kv_parts_off()
-        rows = hooks.active_hooks(cpu=_is_cpu(), guards=not _disabled, parts_off=_kv_off)
+        rows = hooks.active_hooks(cpu=_is_cpu(), guards=not _disabled, parts_off=_kv_off, dsa=env.CPU_DSA.get() == "1")
         hooks.register(tuple(h for h in rows if h not in handshake))
         _active = rows
     except Exception as e:  # noqa: BLE001

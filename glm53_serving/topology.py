@@ -26,6 +26,7 @@ from glm53_serving.validation import MAX_N, MAX_N_PD
 REPO_LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 DEFAULT_CONFIG = REPO_LAUNCH_DIR / "cpu.toml"
 PRESETS = ("glm53-tiny", "glm53-dsa-tiny")  # glm53-dsa-tiny: GLM-5.3's MLA+DSA, opt-in (launch/cpu-dsa.toml)
+DSA_PRESETS = ("glm53-dsa-tiny",)  # served with the hooks' dsa_only rows on CPU (env.CPU_DSA)
 SGLANG_DEFAULT_DECODE_RESERVE = 512  # --num-reserved-decode-tokens default in sglang 0.5.23
 
 
@@ -319,6 +320,8 @@ class Topology:
             out[env.CLIP_OUTPUT.name] = "1"
         if self.device == "cpu":
             out.update(cpu.ENV)
+            if self.model.preset in DSA_PRESETS:
+                out[env.CPU_DSA.name] = "1"
         out.update(self.env)
         return out
 

@@ -83,7 +83,7 @@ def test_the_kv_guard_runs_on_the_dsa_pool(dsa):
     status = httpx.get(f"{url}/server_info", timeout=30, headers=auth(url, "admin")).json()["glm53_serving"]
     assert status["active"] is True and status["kv_pool"] == "DSATokenToKVPool"
     assert status["kv_guard"] == {"zero": True, "owner": True, "handoff": True}
-    assert set(status["hooks"]) == {h.target for h in hooks.active_hooks(cpu=True, guards=True)}
+    assert set(status["hooks"]) == {h.target for h in hooks.active_hooks(cpu=True, guards=True, dsa=True)}
     assert status["capacity"]["page_size"] == dsa_tiny.PAGE_SIZE
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     for counter in ("glm53_kv_zeroed_slots_total", "glm53_kv_owner_checked_requests_total"):

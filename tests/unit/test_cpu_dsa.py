@@ -52,3 +52,5 @@ def test_select_is_causal_topk_padded_with_minus_one_and_ties_go_to_earlier_posi
 def test_dsa_rows_are_cpu_only_platform_fixes(row):
     assert row.cpu_only and not row.guard
     assert row not in hooks.active_hooks(cpu=False, guards=True)
+    assert row.dsa_only and row not in hooks.active_hooks(cpu=True, guards=True)  # glm53-tiny imports none of it
+    assert row in hooks.active_hooks(cpu=True, guards=True, dsa=True)

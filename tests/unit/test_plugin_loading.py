@@ -32,12 +32,22 @@ def run_probe(**env):
 
 
 def test_entry_point_registers_and_every_hook_applies():
-    res, _ = run_probe()
+    res, _ = run_probe(GLM53_CPU_DSA="1")  # a DSA model on CPU: every row of the table
     assert res["problems"] == []
     assert res["status"]["active"] is True
     from glm53_serving.hooks import HOOKS
 
     assert set(res["status"]["hooks"]) == {h.target for h in HOOKS}  # CPU: cpu_only rows included
+
+
+def test_the_dsa_rows_apply_only_where_a_dsa_model_is_served():
+    res, _ = run_probe()
+    from glm53_serving.hooks import HOOKS, active_hooks
+
+    assert res["problems"] == [] and set(res["status"]["hooks"]) == {
+        h.target for h in active_hooks(cpu=True, guards=True)
+    }
+    assert {h.target for h in HOOKS if h.dsa_only} & set(res["status"]["hooks"]) == set()
 
 
 def test_a_hook_that_fails_to_apply_is_listed_among_the_problems_the_handshake_refuses_on():
@@ -62,14 +72,16 @@ def test_ambiguous_disable_value_fails_closed(value):
 
 
 def test_switching_kv_guard_parts_off_is_explicit_announced_and_drops_only_their_rows():
-    from glm53_serving.hooks import HOOKS
+    from glm53_serving.hooks import active_hooks
 
     res, err = run_probe(GLM53_KV_GUARD_OFF="owner,handoff")
     assert res["problems"] == []
     st = res["status"]
     assert st["active"] is True and st["kv_guard"] == {"zero": True, "owner": False, "handoff": False}
     assert st["kv_guard_off_by"] == "GLM53_KV_GUARD_OFF=owner,handoff"
-    assert set(st["hooks"]) == {h.target for h in HOOKS if h.part not in ("owner", "handoff")}
+    assert set(st["hooks"]) == {
+        h.target for h in active_hooks(cpu=True, guards=True) if h.part not in ("owner", "handoff")
+    }
     assert "KV guard parts switched OFF" in err
 
 

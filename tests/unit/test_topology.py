@@ -215,3 +215,10 @@ def test_free_ports_are_outside_the_ephemeral_range_distinct_and_bindable():
     assert all(not low <= p <= high for p in ports), ports
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_only_a_dsa_preset_on_cpu_gets_the_dsa_rows():
+    from glm53_serving import env
+
+    assert env.CPU_DSA.name not in Topology.load(REPO_LAUNCH_DIR / "cpu.toml").process_env()
+    assert Topology.load(REPO_LAUNCH_DIR / "cpu-dsa.toml", "single").process_env()[env.CPU_DSA.name] == "1"
