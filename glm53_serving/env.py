@@ -58,6 +58,11 @@ CPU_DSA = Var(
     '"1": apply the CPU rows for GLM-5.x DSA models (cpu_dsa.py); set for a DSA model on a CPU topology',
     "launcher",
 )
+EVENTS_LOG = Var(
+    "GLM53_EVENTS_LOG",
+    "path prefix of this server's event log (events.py): each process writes PREFIX.PID.jsonl",
+    "launcher",
+)
 PREFILL_BOOTSTRAP = Var(
     "GLM53_PREFILL_BOOTSTRAP", '"host:port,...": the only prefill bootstrap endpoints a PD worker accepts', "launcher"
 )
@@ -78,6 +83,7 @@ VARS: tuple[Var, ...] = (
     TENANTS,
     DEPLOYMENT,
     CPU_DSA,
+    EVENTS_LOG,
     PREFILL_BOOTSTRAP,
     SERVING_DISABLE,
     KV_GUARD_OFF,

@@ -124,6 +124,15 @@ HOOKS: tuple[Hook, ...] = (
         "vocabulary (upstream crashes), PD routing fields on PD roles (upstream decode crashes), "
         "and the deployment-wide length limit (upstream checks only context_len here)",
     ),
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        Kind.BEFORE,
+        "glm53_serving.intake:take_request_id_hook",
+        ("self", "obj", "request"),
+        "a request whose body names no rid is served under its x-request-id, the gateway's trace id that "
+        "sglang-router forwards to prefill and decode (request_ids.py): one id from the gateway's audit to "
+        "every worker's logs",
+    ),
     # --- tenants: owned sessions and requests (tenant_guard.py; route auth is its middleware) --
     Hook(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.open_session",

@@ -28,7 +28,7 @@ class HardRejectMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        slot, token = rejection.open_slot(scope.get("path", ""))
+        slot, token = rejection.open_slot(scope.get("path", ""), rejection.request_id_of(scope))
         held: dict | None = None
         replaced = False
 

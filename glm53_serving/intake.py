@@ -13,7 +13,7 @@ fields kills the decode server (AttributeError in `_bootstrap_addr`).
 
 from __future__ import annotations
 
-from glm53_serving import admission, env, rejection, tenant_guard, validation
+from glm53_serving import admission, env, events, rejection, request_ids, tenant_guard, validation
 from glm53_serving.errors import ClientError
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils: decode skips the transfer
@@ -103,4 +103,25 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
         raise
     if allowed != requested:
         params["max_new_tokens"] = allowed
+    p = tenant_guard.current()
+    events.record(
+        "admitted",
+        rid=getattr(obj, "rid", None),
+        request_id=rejection.current_request_id(),
+        tenant=p.tenant if p is not None else None,
+        role=env.role(),
+        endpoint=rejection.endpoint_label(rejection.current_path()),
+    )
+    return None
+
+
+def take_request_id_hook(self, obj, request=None, *args, **kwargs):
+    """BEFORE TokenizerManager.generate_request: a request whose body names no `rid` is served
+    under the `x-request-id` it came with (the gateway's trace id, which sglang-router forwards to
+    prefill and decode alike), so one id names it in the gateway's audit, SGLang's logs and ours,
+    and the worker event logs (request_ids.py). SGLang suffixes it per sub-request of a batch."""
+    if request is not None and getattr(obj, "rid", "set") is None:
+        rid = request_ids.sane(request.headers.get(request_ids.HEADER))
+        if rid is not None:
+            obj.rid = rid
     return None

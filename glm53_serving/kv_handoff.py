@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from http import HTTPStatus
 
+from glm53_serving import events
 from glm53_serving.errors import KV_HANDOFF_MESSAGE
 from glm53_serving.metrics import KV_VIOLATIONS
 
@@ -68,6 +69,7 @@ def check_prompt_length(result, self, decode_req, *args, **kwargs):
             expected,
         )
         KV_VIOLATIONS.inc(where="handoff")
+        events.record("kv_handoff_mismatch", rid=req.rid, carried=carried, expected=expected)
         prepare_abort(
             req,
             f"{KV_HANDOFF_MESSAGE} prefill sent KV for {carried} prompt tokens, decode expected "

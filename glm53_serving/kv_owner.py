@@ -39,7 +39,7 @@ from http import HTTPStatus
 
 import torch
 
-from glm53_serving import kv_zero
+from glm53_serving import events, kv_zero
 from glm53_serving.errors import KV_ISOLATION_MESSAGE
 from glm53_serving.metrics import KV_VIOLATIONS, LazyCounter
 
@@ -283,6 +283,7 @@ def quarantine(
     )
     VIOLATIONS.inc(where=where)
     QUARANTINED.inc(int(positions.numel()))
+    events.record("kv_isolation_violation", rid=req.rid, where=where, namespace=ns, slots=int(positions.numel()))
 
     pos = positions.tolist()
     for q in pos:

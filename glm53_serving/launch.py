@@ -367,8 +367,12 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
             name, argv_for_port(port), {**base, **(extra_env or {})}, f"http://{h}:{port}", run_dir / f"{name}.log"
         )
 
+    def server(name: str, argv_for_port, extra_env: dict[str, str] | None = None) -> Child:
+        # Its event log (events.py): which requests it took, what its guards saw.
+        return child(name, argv_for_port, {**(extra_env or {}), env.EVENTS_LOG.name: str(run_dir / "events" / name)})
+
     if topo.topology == "single":
-        servers = [child("server", lambda port: topo.server_argv(model_path, port, "single"))]
+        servers = [server("server", lambda port: topo.server_argv(model_path, port, "single"))]
         router = None
         upstream = servers[0].url
     else:
@@ -376,11 +380,11 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
         # Prefill and decode accept handoffs naming these bootstrap endpoints only (intake.py).
         trusted = {env.PREFILL_BOOTSTRAP.name: ",".join(f"{h}:{b}" for b in boots)}
         prefills = [
-            child(f"prefill-{i}", lambda port, b=b: topo.server_argv(model_path, port, "prefill", b), trusted)
+            server(f"prefill-{i}", lambda port, b=b: topo.server_argv(model_path, port, "prefill", b), trusted)
             for i, b in enumerate(boots)
         ]
         decodes = [
-            child(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"), trusted)
+            server(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"), trusted)
             for i in range(topo.decode.count)
         ]
         servers = [*prefills, *decodes]
@@ -432,6 +436,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
         "client_url": client_url,
         "operator_url": p.operator_url,
         "audit_log": str(run_dir / "audit.jsonl"),
+        "events_dir": str(run_dir / "events"),
         "topology": topo.topology,
         "model": topo.model.served_model_name,
         "ready_s": round(ready_s, 1),

@@ -17,6 +17,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from glm53_serving import events, request_ids
 from glm53_serving.errors import CONTRACT, ClientError
 from glm53_serving.metrics import LazyCounter
 
@@ -28,6 +29,7 @@ class Slot:
     """One HTTP request's state, shared by every guard in its task tree (contextvars)."""
 
     path: str
+    request_id: str | None = None  # the x-request-id it came with (request_ids.py), if sane
     rejection: ClientError | None = None
 
 
@@ -36,8 +38,8 @@ REJECTIONS = LazyCounter("glm53_rejections", "Requests rejected by glm53_serving
 _KNOWN_ENDPOINTS: frozenset[str] = frozenset()  # set by the front door from the app's routes
 
 
-def open_slot(path: str) -> tuple[Slot, contextvars.Token]:
-    slot = Slot(path)
+def open_slot(path: str, request_id: str | None = None) -> tuple[Slot, contextvars.Token]:
+    slot = Slot(path, request_id)
     return slot, _slot.set(slot)
 
 
@@ -54,6 +56,22 @@ def current_path() -> str | None:
     return slot.path if slot else None
 
 
+def request_id_of(scope) -> str | None:
+    """The request's `x-request-id` (request_ids.py), where it is a sane token."""
+    for name, value in scope.get("headers", ()):
+        if name == _REQUEST_ID:
+            return request_ids.sane(value.decode("latin-1"))
+    return None
+
+
+_REQUEST_ID = request_ids.HEADER.encode()
+
+
+def current_request_id() -> str | None:
+    slot = _slot.get()
+    return slot.request_id if slot else None
+
+
 def know_endpoints(paths) -> None:
     global _KNOWN_ENDPOINTS
     _KNOWN_ENDPOINTS = frozenset(paths)
@@ -63,10 +81,13 @@ def endpoint_label(path: str | None) -> str:
     return path if path in _KNOWN_ENDPOINTS else "other"
 
 
-def count(error: ClientError, path: str | None, detail: str | None = None) -> None:
-    """Log and count a rejection (bounded labels; `detail` goes to the log only)."""
-    logger.info("glm53_serving rejected %s on %s: %s", detail or error.code, path, error.message)
+def count(error: ClientError, path: str | None, detail: str | None = None, request_id: str | None = None) -> None:
+    """Log, count and record a rejection (bounded labels; `detail` goes to the log only). The
+    request id is the slot's, or `request_id` where no slot is open yet (authentication)."""
+    request_id = request_id or current_request_id()
+    logger.info("glm53_serving rejected %s on %s [%s]: %s", detail or error.code, path, request_id, error.message)
     REJECTIONS.inc(reason=error.code if error.code in CONTRACT else "other", endpoint=endpoint_label(path))
+    events.record("rejected", rid=None, request_id=request_id, code=error.code, endpoint=endpoint_label(path))
 
 
 def reject(error: ClientError, detail: str | None = None) -> None:

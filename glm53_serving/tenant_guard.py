@@ -249,7 +249,7 @@ class TenantGuardMiddleware:
         try:
             principal = authorize(access_of(path), path, header)
         except ClientError as error:
-            rejection.count(error, path)
+            rejection.count(error, path, request_id=rejection.request_id_of(scope))
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008})
             return await rejection.send_error(send, error)

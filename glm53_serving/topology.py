@@ -350,6 +350,9 @@ class Topology:
             argv += ["--num-reserved-decode-tokens", str(self.role_value(role, "decode_reserve"))]
         if m.dtype:
             argv += ["--dtype", m.dtype]
+        # Every OpenAI stream ends with the worker's usage figures: the gateway counts each tenant's
+        # tokens from them and takes the event out where the client did not ask (gateway/usage.py).
+        argv += ["--stream-response-default-include-usage"]
         if self.device == "cpu":
             argv += list(cpu.SERVER_ARGS)
         if self.tenants.mode != "off" and "--skip-server-warmup" not in self.worker.args:

@@ -11,10 +11,8 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import re
 import signal
 import time
-import uuid
 from dataclasses import dataclass
 
 import aiohttp
@@ -24,11 +22,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from glm53_serving import tenants, validation
+from glm53_serving import request_ids, tenants, validation
 from glm53_serving.admission import Limits, check
 from glm53_serving.audit import AuditLog
 from glm53_serving.errors import ClientError, error_body
-from glm53_serving.gateway import upstream_errors
+from glm53_serving.gateway import upstream_errors, usage
 from glm53_serving.gateway.fair_share import FairShare
 from glm53_serving.gateway.tokens import PromptCounter, Uncountable
 from glm53_serving.tenants import TenantLimits
@@ -40,7 +38,7 @@ GENERATION = validation.GENERATION
 # A tenant's own objects: forwarded with its assertion; the worker checks ownership (tenant_guard).
 # (sglang-router does not route sessions: in PD these answer the router's 404.)
 TENANT_OBJECTS = ("/open_session", "/close_session", "/abort_request")
-REQUEST_ID_HEADER = "x-request-id"  # the client's if sane (request_id()), else ours; on every answer
+REQUEST_ID_HEADER = request_ids.HEADER  # the client's if sane, else ours; on every answer (request_ids.py)
 AFFINITY_HEADER = "x-session-affinity"  # what agent clients send (the incident's provider asked for it)
 ROUTING_KEY_HEADER = "x-smg-routing-key"  # what sglang-router's manual policy routes on
 # Hop-by-hop and length headers are the transport's business; the client's credential and any
@@ -56,6 +54,10 @@ _DROP_REQUEST_HEADERS = {
     ROUTING_KEY_HEADER,
     "x-request-id",
 }
+# SGLang 0.5.23 sets rid, the PD handoff fields, the DP rank and the priority from these headers
+# (entrypoints/request_headers.py, where SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES is on): the
+# DEPLOYMENT_FIELDS by another door. Never a client's.
+_DEPLOYMENT_HEADER_PREFIX = "x-override-"
 UNAUTHENTICATED = "-"  # the tenant label of requests refused before a tenant was known
 # Body fields only the deployment sets: the PD handoff (a fake or foreign bootstrap host makes
 # decode read pages nothing wrote) and the data-parallel placement.
@@ -115,17 +117,6 @@ class GatewayConfig:
 
 def error_response(status: int, body: dict) -> JSONResponse:
     return JSONResponse(body, status_code=status)
-
-
-_SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def request_id(client_id: str | None) -> str:
-    """The client's `x-request-id` when it is a sane token (it goes into logs and headers), else a
-    new one."""
-    if client_id is not None and _SANE_REQUEST_ID.fullmatch(client_id):
-        return client_id
-    return "g53-" + uuid.uuid4().hex[:24]
 
 
 def routing_key(tenant: str, affinity: str) -> str:
@@ -283,7 +274,8 @@ class Gateway:
         Every answer carries the request id and ends in one audit record."""
         started, wall = time.perf_counter(), time.time()
         endpoint = request.scope["path"]
-        rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+        rid = request_ids.sane(request.headers.get(REQUEST_ID_HEADER)) or request_ids.new()
+        trace = request_ids.trace_id(rid)  # what the workers serve it under (SGLang's rid)
         tenant, kid, slot = UNAUTHENTICATED, None, None
 
         def done(response: Response) -> Response:
@@ -292,11 +284,13 @@ class Gateway:
             def finish():
                 if slot is not None:
                     slot.release()
-                used = usage_of(response.tail) if isinstance(response, UpstreamStream) else {}
+                used = usage.usage_of(response.tail) if isinstance(response, UpstreamStream) else {}
                 for kind, n in used.items():
                     self.tokens.labels(tenant=tenant, kind=kind).inc(n)
                 if self.audit is not None:
-                    self.audit.record(wall, tenant, kid, rid, endpoint, response, time.perf_counter() - started, used)
+                    self.audit.record(
+                        wall, tenant, kid, rid, trace, endpoint, response, time.perf_counter() - started, used
+                    )
 
             if isinstance(response, UpstreamStream):
                 response.raw_headers.append((REQUEST_ID_HEADER.encode(), rid.encode()))
@@ -321,7 +315,7 @@ class Gateway:
         except ClientDisconnect:
             return done(Response(status_code=499))
         try:
-            response = await self.forward(request, tenant, endpoint, raw, started, rid)
+            response = await self.forward(request, tenant, endpoint, raw, started, trace)
         except BaseException:
             if slot is not None:
                 slot.release()
@@ -336,6 +330,7 @@ class Gateway:
         # `param` (PD bodies are rewritten) and the router judges some fields by other bounds.
         body = validation.parse_body(raw, request.headers.get("content-type"))
         self.validator.check(endpoint, body)
+        request.state.hide_usage = usage.hides_usage(endpoint, body)
         for name in DEPLOYMENT_FIELDS:
             if name in body:
                 raise ClientError(
@@ -363,7 +358,11 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self._encoders, self.counter.encode, text)
 
     def upstream_headers(self, request: Request, tenant: str) -> dict[str, str]:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _DROP_REQUEST_HEADERS and not k.lower().startswith(_DEPLOYMENT_HEADER_PREFIX)
+        }
         if self.assertions is not None:
             headers["authorization"] = self.assertions.header(tenant)
         affinity = request.headers.get(AFFINITY_HEADER)
@@ -372,7 +371,7 @@ class Gateway:
         return headers
 
     async def forward(
-        self, request: Request, tenant: str, endpoint: str, raw: bytes, started: float, rid: str
+        self, request: Request, tenant: str, endpoint: str, raw: bytes, started: float, trace: str
     ) -> Response:
         sent = time.perf_counter()
         self.upstream_timing.admission.observe(sent - started)
@@ -380,7 +379,7 @@ class Gateway:
             upstream = await self._session.request(
                 request.method,
                 self.cfg.upstream + endpoint,
-                headers={**self.upstream_headers(request, tenant), REQUEST_ID_HEADER: rid},
+                headers={**self.upstream_headers(request, tenant), REQUEST_ID_HEADER: trace},
                 data=raw,
                 params=request.query_params.multi_items(),
             )
@@ -406,7 +405,7 @@ class Gateway:
         self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(upstream.status), reason="").inc()
         if endpoint in GENERATION:
             self._served_at = time.monotonic()
-        return UpstreamStream(upstream, sent, self.upstream_timing)
+        return UpstreamStream(upstream, sent, self.upstream_timing, getattr(request.state, "hide_usage", False))
 
     def _error(self, tenant: str, endpoint: str, status: int, body: dict) -> JSONResponse:
         """An error answer, counted by its contract code (a bounded label: error_body takes no other)."""
@@ -567,8 +566,10 @@ class UpstreamStream(Response):
     (docs/performance.md). Here one plain task waits for the disconnect; when the client goes, the
     upstream connection is closed, not pooled, which the router and the worker see as an abort."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, sent: float, timing: UpstreamTiming):
+    def __init__(self, upstream: aiohttp.ClientResponse, sent: float, timing: UpstreamTiming, hide_usage: bool):
         self.upstream, self.sent, self.timing = upstream, sent, timing
+        # The usage event the workers add to every OpenAI stream, read here, not the client's (usage.py)
+        self.usage_filter = usage.UsageEventFilter() if hide_usage else None
         self.on_done = None  # called once the answer is over, however it ended (the tenant's slot)
         self.tail = b""  # the answer's last bytes: where SGLang puts its usage figures (usage_of)
         self.status_code = upstream.status
@@ -596,11 +597,16 @@ class UpstreamStream(Response):
                 if first:
                     self.timing.first_chunk.observe(time.perf_counter() - self.sent)
                     first = False
-                tail = chunk if len(chunk) >= USAGE_TAIL_BYTES else self.tail + chunk
-                self.tail = tail[-USAGE_TAIL_BYTES:]
+                tail = chunk if len(chunk) >= usage.TAIL_BYTES else self.tail + chunk
+                self.tail = tail[-usage.TAIL_BYTES :]
+                if self.usage_filter is not None:
+                    chunk = self.usage_filter.feed(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.timing.response.observe(time.perf_counter() - self.sent)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            rest = self.usage_filter.flush() if self.usage_filter is not None else b""
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
             done = True
         except aiohttp.ClientError:
             if not client_gone.is_set():
@@ -610,19 +616,3 @@ class UpstreamStream(Response):
             upstream.release() if done else upstream.close()
             if self.on_done is not None:
                 self.on_done()
-
-
-USAGE_TAIL_BYTES = 4096
-_USAGE_FIELDS = {kind: re.compile(rf'"{kind}_tokens":\s*(\d+)'.encode()) for kind in ("prompt", "completion", "cached")}
-
-
-def usage_of(tail: bytes) -> dict[str, int]:
-    """The worker's own token counts from the end of its answer: `usage` (OpenAI, non-streamed or
-    with stream_options.include_usage) or `meta_info` (/generate, every event): the last figure
-    of each kind. Empty when the answer carries none (an OpenAI stream without include_usage)."""
-    out = {}
-    for kind, pattern in _USAGE_FIELDS.items():
-        found = pattern.findall(tail)
-        if found:
-            out[kind] = int(found[-1])
-    return out

@@ -11,8 +11,11 @@ healthy."""
 import contextlib
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -136,6 +139,7 @@ def assert_contract_500(r, code):
 
 
 def _isolation_scenario(run, worker_name):
+    since = datetime.now(UTC).isoformat()
     reference = generate(run)  # tenant demo's prompt, now cached: a live page demo owns
     assert reference.status_code == 200, reference.text
     expected = reference.json()["output_ids"]
@@ -167,6 +171,35 @@ def _isolation_scenario(run, worker_name):
     assert b.status_code == 200 and b.json()["output_ids"] == expected
     assert httpx.get(f"{run.url}/health", timeout=30, headers=run.client_headers()).status_code == 200
     assert metric(worker, "glm53_kv_isolation_violations_total", run.worker_headers()) >= before + 2
+    assert_the_operator_can_tell_who_was_affected(run, worker_name, since, [victim, streamed])
+
+
+def assert_the_operator_can_tell_who_was_affected(run, worker_name, since, victims):
+    """The worker logged each abort with the request's id, and one command names the victims'
+    tenant with the ids its client was answered under, and no other tenant."""
+    from glm53_serving import events
+
+    def logged():
+        return [
+            e
+            for e in events.read(run.info["events_dir"])
+            if e["event"] == "kv_isolation_violation" and str(e["rid"]).startswith("kvfault-foreign-")
+        ]
+
+    deadline = time.monotonic() + 30
+    while len(logged()) < len(victims) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert {e["worker"] for e in logged()} == {worker_name} and len(logged()) >= len(victims), logged()
+    out = subprocess.run(
+        [sys.executable, "-m", "glm53_serving.audit", "affected", "--run-dir", str(run.run_dir), "--since", since],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    rows = {line.split("\t")[0]: set(line.split("\t")[2].split()) for line in out.stdout.splitlines()}
+    assert set(rows) == {"demo-b"}, out.stdout
+    assert {r.headers["x-request-id"] for r in victims} <= rows["demo-b"], (out.stdout, victims)
 
 
 def test_a_row_reaching_another_tenants_kv_fails_that_request_alone(faulty_single):

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from glm53_serving import tenants
+from glm53_serving import audit, tenants
 from glm53_serving.admission import Limits
 from glm53_serving.gateway.app import GatewayConfig, build_app
 from glm53_serving.models import tiny
@@ -51,7 +51,8 @@ async def generate(request):
         code = request.query_params["error"]
         return JSONResponse({"error": {"message": f"upstream says {code}", "code": code}}, status_code=400)
     meta = {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}
-    return JSONResponse({"text": "ok", "output_ids": [7], "meta_info": meta, "peer": request.client.port})
+    seen = {k: v for k, v in request.headers.items() if k.startswith("x-")}  # what reached the worker
+    return JSONResponse({"text": "ok", "output_ids": [7], "meta_info": meta, "peer": request.client.port, "seen": seen})
 
 
 def serve(app, operator_port: int | None = None):
@@ -367,12 +368,26 @@ def test_every_answer_carries_a_request_id_and_ends_in_one_audit_record_without_
     cfg = gateway_config(upstream, tenants=tenants.LiveTenants(f), assertion_key=KEY, audit_log=str(log))
     secret = "the tenant's secret prompt"
     with TestClient(build_app(cfg)) as gw:
-        ok = gw.post(
-            "/generate",
-            json={"text": secret, "sampling_params": {"max_new_tokens": 4}},
-            headers={"Authorization": f"Bearer {key}", "x-request-id": "client-42"},
+        ok, again = (
+            gw.post(
+                "/generate",
+                json={"text": secret, "sampling_params": {"max_new_tokens": 4}},
+                # SGLang's header overrides set the rid and the PD handoff fields: never a client's
+                headers={
+                    "Authorization": f"Bearer {key}",
+                    "x-request-id": "client-42",
+                    "x-override-rid": "another-tenants-rid",
+                    "x-override-bootstrap-host": "2.2.2.2",
+                },
+            )
+            for _ in range(2)
         )
         assert ok.status_code == 200 and ok.headers["x-request-id"] == "client-42"
+        # The workers get a trace id: the client's id, made unique (a reused id must not collide)
+        traces = [r.json()["seen"] for r in (ok, again)]
+        assert [set(t) for t in traces] == [{"x-request-id"}] * 2, traces
+        assert all(t["x-request-id"].startswith("client-42.") for t in traces)
+        assert traces[0] != traces[1]
         with gw.stream(
             "POST", "/generate", json={**BODY, "stream": True}, headers={"Authorization": f"Bearer {key}"}
         ) as r:
@@ -382,6 +397,8 @@ def test_every_answer_carries_a_request_id_and_ends_in_one_audit_record_without_
         assert bad.status_code == 401 and bad.headers["x-request-id"].startswith("g53-")
     text = log.read_text()
     rows = [json.loads(line) for line in text.splitlines()]
+    assert [r["trace_id"] for r in rows[:2]] == [t["x-request-id"] for t in traces]
+    rows.pop(1)
     assert [(r["request_id"], r["tenant"], r["status"], r["code"]) for r in rows] == [
         ("client-42", "acme", 200, None),  # non-streamed: the worker's usage figures too
         (streamed_id, "acme", 200, None),
@@ -395,25 +412,46 @@ def test_every_answer_carries_a_request_id_and_ends_in_one_audit_record_without_
 
 
 def test_the_affected_command_names_each_tenant_with_an_isolation_error_in_the_window(tmp_path):
+    """From the gateway's answers, and from the workers' isolation events: a request whose answer
+    never reached the gateway, or that never went through it, is still counted."""
     log = tmp_path / "audit.jsonl"
+    keys = ("ts", "tenant", "request_id", "trace_id", "code")
     rows = [
-        ("2026-12-06T01:00:00.000Z", "acme", "r1", "kv_isolation_violation"),
-        ("2026-12-06T02:00:00.000Z", "beta", "r2", "kv_handoff_mismatch"),
-        ("2026-12-06T02:30:00.000Z", "beta", "r3", "context_length_exceeded"),
-        ("2026-12-06T03:00:00.000Z", "gamma", "r4", "kv_isolation_violation"),
+        ("2026-12-06T01:00:00.000Z", "acme", "r1", "r1.aa", "kv_isolation_violation"),
+        ("2026-12-06T02:00:00.000Z", "beta", "r2", "r2.bb", "kv_handoff_mismatch"),
+        ("2026-12-06T02:30:00.000Z", "beta", "r3", "r3.cc", "context_length_exceeded"),
+        ("2026-12-06T03:00:00.000Z", "gamma", "r4", "r4.dd", "kv_isolation_violation"),
+        ("2026-12-06T02:10:00.000Z", "delta", "r5", "r5.ee", None),  # answered 200, aborted on a worker
+        ("2026-12-06T02:11:00.000Z", "zeta", "r6", "r6.ff", None),  # its body named its own rid
     ]
-    (tmp_path / "audit.jsonl.1").write_text(
-        json.dumps(dict(zip(("ts", "tenant", "request_id", "code"), rows[0]))) + "\n"
-    )
-    log.write_text("".join(json.dumps(dict(zip(("ts", "tenant", "request_id", "code"), r))) + "\n" for r in rows[1:]))
+    (tmp_path / "audit.jsonl.1").write_text(json.dumps(dict(zip(keys, rows[0]))) + "\n")
+    log.write_text("".join(json.dumps(dict(zip(keys, r))) + "\n" for r in rows[1:]))
+    worker = [
+        {"ts": "2026-12-06T02:10:00.000Z", "event": "admitted", "worker": "decode-0", "rid": "r5.ee_1"},
+        {"ts": "2026-12-06T02:10:01.000Z", "event": "kv_isolation_violation", "worker": "decode-0", "rid": "r5.ee_1"},
+        # A worker called directly (no gateway record): the tenant its intake admitted it for
+        {"ts": "2026-12-06T02:20:00.000Z", "event": "admitted", "worker": "server", "rid": "x9", "tenant": "eps"},
+        {"ts": "2026-12-06T02:20:01.000Z", "event": "kv_isolation_violation", "worker": "server", "rid": "x9"},
+        {"ts": "2026-12-06T05:00:00.000Z", "event": "kv_handoff_mismatch", "worker": "decode-0", "rid": "late"},
+        {
+            "ts": "2026-12-06T02:11:00.000Z",
+            "event": "admitted",
+            "worker": "server",
+            "rid": "own",
+            "request_id": "r6.ff",
+        },
+        {"ts": "2026-12-06T02:11:01.000Z", "event": "kv_isolation_violation", "worker": "server", "rid": "own"},
+    ]
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "decode-0.4242.jsonl").write_text("".join(json.dumps(e) + "\n" for e in worker))
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "glm53_serving.audit",
             "affected",
-            "--log",
-            str(log),
+            "--run-dir",
+            str(tmp_path),
             "--since",
             "2026-12-06T00:30",
             "--until",
@@ -423,11 +461,19 @@ def test_the_affected_command_names_each_tenant_with_an_isolation_error_in_the_w
         text=True,
         check=True,
     )
-    assert out.stdout == "acme\t1\tr1\nbeta\t1\tr2\n" and "2 tenants affected" in out.stderr
+    assert out.stdout == "acme\t1\tr1\nbeta\t1\tr2\ndelta\t1\tr5\neps\t1\tx9\nzeta\t1\tr6\n"
+    assert "5 tenants affected" in out.stderr
+    # Without the workers' events, only what the gateway answered
+    assert set(audit.affected(log, "2026-12-06T00:30", "2026-12-06T02:45")) == {"acme", "beta"}
+    shown = audit.show(log, tmp_path / "events", "r5")
+    assert shown["tenant"] == "delta" and shown["workers"] == ["decode-0"]
+    assert [e["event"] for e in shown["events"]] == ["admitted", "kv_isolation_violation"]
+    assert audit.show(log, tmp_path / "events", "r6.ff")["workers"] == ["server"]
+    assert audit.show(log, tmp_path / "events", "nobody") is None
 
 
 def test_usage_comes_from_the_end_of_the_workers_answer():
-    from glm53_serving.gateway.app import usage_of
+    from glm53_serving.gateway.usage import usage_of
 
     generate_stream = (
         b'data: {"text":"a","meta_info":{"prompt_tokens":12,"completion_tokens":1,"cached_tokens":8}}\n\n'
@@ -440,3 +486,35 @@ def test_usage_comes_from_the_end_of_the_workers_answer():
     )
     assert usage_of(chat) == {"prompt": 30, "completion": 4, "cached": 0}
     assert usage_of(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\ndata: [DONE]\n\n') == {}
+
+
+def test_a_client_that_did_not_ask_for_usage_never_sees_the_usage_event():
+    """The workers end every OpenAI stream with a usage event (--stream-response-default-include-usage);
+    the gateway reads it and takes it out of the streams of clients that did not ask, however the
+    stream is cut into chunks."""
+    from glm53_serving.gateway.usage import UsageEventFilter, hides_usage, usage_of
+
+    chat = {"messages": [], "stream": True}
+    assert hides_usage("/v1/chat/completions", chat) and hides_usage("/v1/completions", chat)
+    assert hides_usage("/v1/chat/completions", {**chat, "stream_options": {"include_usage": False}})
+    assert hides_usage("/v1/chat/completions", {**chat, "stream_options": {"continuous_usage_stats": True}})
+    assert not hides_usage("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    assert not hides_usage("/v1/chat/completions", {**chat, "stream": False})
+    assert not hides_usage("/generate", chat)
+    usage_event = (
+        b'data: {"id":"a","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}\n\n'
+    )
+    before = (
+        b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null}\n\n'
+        b'data: {"id":"a","choices":[{"index":0,"delta":{},"finish_reason":"length"}],"usage":null}\n\n'
+    )
+    events = before + usage_event + b"data: [DONE]\n\n"
+    for size in (1, 3, 17, 64, len(events)):
+        f, out = UsageEventFilter(), b""
+        for i in range(0, len(events), size):
+            out += f.feed(events[i : i + size])
+        out += f.flush()
+        assert out == before + b"data: [DONE]\n\n", size
+    assert usage_of(events) == {"prompt": 7, "completion": 2}  # read before it is taken out
+    cut = UsageEventFilter()  # an unterminated stream (the upstream failed): its bytes still reach the client
+    assert cut.feed(b'data: {"id":"a"') == b"" and cut.flush() == b'data: {"id":"a"'
