@@ -264,6 +264,20 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
         assert [e["fault"] for e in faults(run, rid) if "fault" in e] == [fault]
         assert_contract_500(r, "kv_handoff_mismatch")
     assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= before + 3
+    # Decode logged each with the request's id (what `audit affected` reads: events.py)
+    from glm53_serving import events as worker_events
+
+    def mismatches():
+        return {
+            e["rid"]
+            for e in worker_events.read(run.info["events_dir"])
+            if e["event"] == "kv_handoff_mismatch" and e["worker"] == "decode-0"
+        }
+
+    deadline = time.monotonic() + 30
+    while len(mismatches()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mismatches() >= {"kvfault-short-1", "kvfault-long-1", "kvfault-rebootstrap-1"}, mismatches()
 
     # The servers stay up, and a burst of one tenant's failing requests does not make the router
     # refuse another tenant (no circuit breaker, no retries: launch/cpu.toml; upstream's defaults
