@@ -133,6 +133,15 @@ HOOKS: tuple[Hook, ...] = (
         "sglang-router forwards to prefill and decode (request_ids.py): one id from the gateway's audit to "
         "every worker's logs",
     ),
+    Hook(
+        "sglang.srt.models.registry._ModelRegistry.resolve_model_cls",
+        Kind.AROUND,
+        "glm53_serving.model:resolve_model_hook",
+        ("self", "architectures"),
+        "GlmMoeDsaForCausalLM resolves to the GLM-5.3 definition (model.py): SGLang's class, refusing a "
+        "checkpoint of another shape (GLM-5.3-Flash, a wrong index_head_dim, no index_topk) before any "
+        "weight is read; other architectures resolve as upstream",
+    ),
     # --- tenants: owned sessions and requests (tenant_guard.py; route auth is its middleware) --
     Hook(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.open_session",

@@ -27,6 +27,9 @@ REPO_LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 DEFAULT_CONFIG = REPO_LAUNCH_DIR / "cpu.toml"
 PRESETS = ("glm53-tiny", "glm53-dsa-tiny")  # glm53-dsa-tiny: GLM-5.3's MLA+DSA, opt-in (launch/cpu-dsa.toml)
 DSA_PRESETS = ("glm53-dsa-tiny",)  # served with the hooks' dsa_only rows on CPU (env.CPU_DSA)
+# GLM-5.x's tool calls and thinking in SGLang 0.5.23 (function_call_parser.py "glm47",
+# reasoning_parser.py "glm45": the names SGLang's GLM-5 recipes use).
+GLM53_PARSERS = (("--tool-call-parser", "glm47"), ("--reasoning-parser", "glm45"))
 SGLANG_DEFAULT_DECODE_RESERVE = 512  # --num-reserved-decode-tokens default in sglang 0.5.23
 
 
@@ -353,6 +356,13 @@ class Topology:
         # Every OpenAI stream ends with the worker's usage figures: the gateway counts each tenant's
         # tokens from them and takes the event out where the client did not ask (gateway/usage.py).
         argv += ["--stream-response-default-include-usage"]
+        if m.path is not None:
+            # A GLM-5.3 checkpoint: SGLang 0.5.23's GLM-5.x parsers, unless the topology names others.
+            # (The chat template is the checkpoint's own; presets have no tool or thinking tokens.)
+            mine = {*self.worker.args, *(getattr(self, role).args if role in ("prefill", "decode") else ())}
+            for flag, value in GLM53_PARSERS:
+                if flag not in mine:
+                    argv += [flag, value]
         if self.device == "cpu":
             argv += list(cpu.SERVER_ARGS)
         if self.tenants.mode != "off" and "--skip-server-warmup" not in self.worker.args:

@@ -22,6 +22,7 @@ PAGE_SIZE = 64  # DSA forces 64-token KV pages in SGLang
 
 CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
+    "glm53_preset": PRESET,  # checked against this recipe, not GLM-5.3's shape (glm53_serving/model.py)
     "model_type": "glm_moe_dsa",
     "vocab_size": tiny.VOCAB_SIZE,
     "hidden_size": 64,

@@ -222,3 +222,32 @@ def test_only_a_dsa_preset_on_cpu_gets_the_dsa_rows():
 
     assert env.CPU_DSA.name not in Topology.load(REPO_LAUNCH_DIR / "cpu.toml").process_env()
     assert Topology.load(REPO_LAUNCH_DIR / "cpu-dsa.toml", "single").process_env()[env.CPU_DSA.name] == "1"
+
+
+def test_a_glm53_checkpoint_gets_sglangs_glm5_parsers_unless_the_topology_names_others():
+    from glm53_serving.topology import GLM53_PARSERS
+
+    prod = Topology.load(REPO_LAUNCH_DIR / "glm53-h200-pd.toml")
+    for role in ("prefill", "decode"):
+        argv = prod.server_argv("/models/GLM-5.3", 1, role, bootstrap_port=2)
+        for flag, value in GLM53_PARSERS:
+            assert argv[argv.index(flag) + 1] == value and argv.count(flag) == 1
+        parsed = sglang_parser().parse_args(argv[3:])  # SGLang's own parser knows these names
+        assert (parsed.tool_call_parser, parsed.reasoning_parser) == ("glm47", "glm45")
+        assert parsed.stream_response_default_include_usage is True
+    prod.decode.args = [*prod.decode.args, "--reasoning-parser", "deepseek-r1"]
+    argv = prod.server_argv("/models/GLM-5.3", 1, "decode")
+    assert argv.count("--reasoning-parser") == 1 and argv[argv.index("--reasoning-parser") + 1] == "deepseek-r1"
+    # The embedded presets have no tool-call or thinking tokens: no parser
+    tiny = Topology.load(REPO_LAUNCH_DIR / "cpu.toml").server_argv("/m", 1, "single")
+    assert not {flag for flag, _ in GLM53_PARSERS} & set(tiny)
+
+
+def sglang_parser():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser
