@@ -267,3 +267,24 @@ def sparse_decode(original, self, q, k, v, layer, forward_batch, save_kv_cache=T
     if topk_indices is None:
         return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return _sparse_mla(self, q, k, v, layer, forward_batch, save_kv_cache, topk_indices, decode=True)
+
+
+# --- PD decode retraction: the DSA pool's host backup -------------------------------------
+
+
+def _no_op(*args, **kwargs) -> None:
+    return None
+
+
+def host_copy_without_cuda_sync(original, self, *args, **kwargs):
+    """AROUND DSATokenToKVPool.get_cpu_copy / load_cpu_copy (decode retraction's `cpu_tensor`
+    backup): they and the index-K cache's copies (mem_cache/memory_pool.py:5632, :5654;
+    index_key_cache.py:144-175) call `torch.cuda.synchronize()`, which raises without CUDA. On a
+    CPU device every copy is already complete when it returns, so the barrier has nothing to wait
+    for; the MLA part synchronises through `current_platform`, which is right on CPU already."""
+    sync = torch.cuda.synchronize
+    torch.cuda.synchronize = _no_op
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        torch.cuda.synchronize = sync

@@ -399,6 +399,22 @@ HOOKS: tuple[Hook, ...] = (
         cpu_only=True,
         dsa_only=True,
     ),
+    *(
+        Hook(
+            f"sglang.srt.mem_cache.memory_pool.DSATokenToKVPool.{method}",
+            Kind.AROUND,
+            "glm53_serving.cpu_dsa:host_copy_without_cuda_sync",
+            ("self",),
+            "PD decode retraction backs a DSA request's latent and index-K pages up to host memory "
+            "(mem_cache/memory_pool.py:5622-5654, index_key_cache.py:144-175) between "
+            "torch.cuda.synchronize() calls, which raise without CUDA; on CPU a copy is complete when it returns",
+            guard=False,
+            cpu_only=True,
+            dsa_only=True,
+            process="scheduler",
+        )
+        for method in ("get_cpu_copy", "load_cpu_copy")
+    ),
     Hook(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
         Kind.AROUND,

@@ -54,3 +54,45 @@ def test_dsa_rows_are_cpu_only_platform_fixes(row):
     assert row not in hooks.active_hooks(cpu=False, guards=True)
     assert row.dsa_only and row not in hooks.active_hooks(cpu=True, guards=True)  # glm53-tiny imports none of it
     assert row in hooks.active_hooks(cpu=True, guards=True, dsa=True)
+
+
+def test_decode_retraction_backs_a_dsa_request_up_to_host_memory_and_back_on_cpu():
+    """SGLang's own get_cpu_copy / load_cpu_copy of the DSA pool (latent and index-K pages), with
+    the row applied by HookRegistry: upstream raises at torch.cuda.synchronize() on CPU."""
+
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="dummy", device="cpu", attention_backend="torch_native")
+    with runtime_context.use_context(runtime_context.create_context(args, role="scheduler")):
+        _round_trip()
+
+
+def _round_trip():
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    from tests.unit.real_hooks import applied
+    from tests.unit.test_kv_zero import make
+
+    pool, _ = make(PAGE, dsa=True)
+    pool.cpu_offloading_chunk_size = 8192
+    torch.manual_seed(2)
+    for buf in (*pool.kv_buffer, *pool.index_key_cache.buffer):
+        buf.copy_(torch.randint(1, 100, buf.shape).to(buf.dtype))
+    pages = torch.arange(PAGE, 3 * PAGE)  # the request's two pages (slots 64..191)
+    with pytest.raises((AssertionError, RuntimeError), match="NVIDIA driver"):  # upstream, without the row
+        pool.get_cpu_copy(pages)
+    rows = tuple(h for h in hooks.HOOKS if h.impl == "glm53_serving.cpu_dsa:host_copy_without_cuda_sync")
+    assert {h.target.rsplit(".", 1)[1] for h in rows} == {"get_cpu_copy", "load_cpu_copy"}
+    with applied(rows):
+        saved = pool.get_cpu_copy(pages)
+        before = [b.clone() for b in (*pool.kv_buffer, *pool.index_key_cache.buffer)]
+        for buf in (*pool.kv_buffer, *pool.index_key_cache.buffer):
+            buf.zero_()  # the pages go to other requests while this one waits
+        pool.load_cpu_copy(saved, pages)
+        after = [*pool.kv_buffer, *pool.index_key_cache.buffer]
+        for b, a in zip(before[:3], after[:3]):  # latent rows of the request's slots
+            assert torch.equal(a[pages], b[pages]) and a[:PAGE].count_nonzero() == 0
+        for b, a in zip(before[3:], after[3:]):  # index-K rows of its pages
+            assert torch.equal(a[1:3], b[1:3]) and a[0].count_nonzero() == 0
+    assert isinstance(pool, DSATokenToKVPool)
