@@ -1,7 +1,8 @@
 """Opt-in GLM-5.3 architecture on CPU: glm53-dsa-tiny (MLA + DSA sparse indexer with an fp8
-index-K cache, sigmoid MoE, 64-token pages, DSATokenToKVPool) served by a real single server
-(launch/cpu-dsa.toml) with the plugin's patches, greedy-equal to HF transformers with the same
-fp8 index-key quantisation (tests/hf_reference.py), with the KV guard on that pool."""
+index-K cache, sigmoid MoE, 64-token pages, DSATokenToKVPool) served by a real single server and
+a real PD pair (launch/cpu-dsa.toml) with the plugin's patches, greedy-equal to HF transformers
+with the same fp8 index-key quantisation (tests/hf_reference.py), with the KV guard on that pool
+and decode retraction under memory pressure."""
 
 import httpx
 import pytest
@@ -89,3 +90,56 @@ def test_the_kv_guard_runs_on_the_dsa_pool(dsa):
     for counter in ("glm53_kv_zeroed_slots_total", "glm53_kv_owner_checked_requests_total"):
         values = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(counter)]
         assert values and sum(values) > 0, counter
+
+
+# --- PD: prefill hands latent and index-K pages to decode over Mooncake ----------------------------
+
+DECODE_POOL = 512  # 8 pages: four 300-token requests cannot all stay on decode at once
+
+
+@pytest.fixture(scope="module")
+def dsa_pd(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run-dsa-pd")
+    cfg = d / "cpu-dsa-pd.toml"
+    text = (REPO_LAUNCH_DIR / "cpu-dsa.toml").read_text()
+    cfg.write_text(text.replace("[decode]\ncount = 1", f"[decode]\ncount = 1\nkv_tokens = {DECODE_POOL}"))
+    run = launch(d / "run", "--config", str(cfg))
+    yield run
+    run.stop()
+    assert not alive(run.info["all_pids"])
+
+
+@pytest.mark.parametrize("ids", [SHORT, LONG], ids=["17-tokens", "100-tokens"])
+def test_pd_greedy_equals_hf(dsa_pd, reference, ids):
+    """The transfer carries every page decode reads: the latent and the index-K keys and scales
+    (a missing index-K page would change the sparse selection, and so the tokens)."""
+    assert generate(dsa_pd.url, ids)[0] == reference(ids)
+
+
+def test_pd_decode_retracts_under_memory_pressure_and_every_answer_equals_its_solo_run(dsa_pd):
+    """Four 300-token generations on a 512-token decode pool: decode retracts some (their latent
+    and index-K pages backed up to host memory, cpu_dsa's row), serves the others, brings them back,
+    and each answer is the one it gets alone."""
+    import threading
+
+    prompts = [[(i * 31 + k * 97) % 450 + 7 for i in range(100)] for k in range(4)]
+    body = lambda ids: {  # noqa: E731
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+    }
+
+    def post(ids):
+        r = httpx.post(f"{dsa_pd.url}/generate", json=body(ids), timeout=600, headers=auth(dsa_pd.url))
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    solo = [post(ids) for ids in prompts]
+    together: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda k=k: together.__setitem__(k, post(prompts[k]))) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert [together.get(k) for k in range(4)] == solo
+    log = (dsa_pd.run_dir / "decode-0.log").read_text()
+    assert "KV cache pool is full. Retract requests." in log  # the pressure was real
