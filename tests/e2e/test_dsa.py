@@ -143,3 +143,25 @@ def test_pd_decode_retracts_under_memory_pressure_and_every_answer_equals_its_so
     assert [together.get(k) for k in range(4)] == solo
     log = (dsa_pd.run_dir / "decode-0.log").read_text()
     assert "KV cache pool is full. Retract requests." in log  # the pressure was real
+
+
+def test_prefix_pages_are_shared_within_a_tenant_and_never_across(dsa, reference):
+    """64-token pages: a tenant's second request reuses whole pages of its first (latent and
+    index-K); another tenant's identical prompt reuses none, and both get the model's answer."""
+    ids = [(i * 41 + 3) % 460 + 7 for i in range(150)]  # two whole pages and a partial one
+
+    def served(tenant):
+        r = httpx.post(
+            f"{dsa.url}/generate",
+            timeout=300,
+            headers=dsa.client_headers(tenant),
+            json={"input_ids": ids, "sampling_params": {"max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True}},
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]
+
+    first, cold = served("demo")
+    again, warm = served("demo")
+    other, across = served("demo-b")
+    assert cold == 0 and warm == 128 and across == 0, (cold, warm, across)  # whole pages, one tenant's
+    assert first == again == other == reference(ids)
