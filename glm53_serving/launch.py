@@ -284,7 +284,7 @@ def resolve_model_path(topo: Topology) -> str:
 
     recipe = dsa_tiny if topo.model.preset == dsa_tiny.PRESET else tiny
     path = recipe.default_path()
-    if not (path / "model.safetensors").is_file():
+    if not tiny.has_checkpoint(path):
         say(f"generating {topo.model.preset} into {path}")
     return str(recipe.ensure(path))
 

@@ -15,9 +15,10 @@ from pathlib import Path
 from glm53_serving.models import tiny
 
 SEED = 20260815
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: sharded like GLM-5.3 (model-0000k-of-0000n.safetensors + index)
 PRESET = "glm53-dsa-tiny"
 INDEX_TOPK = 16
+SHARD_BYTES = 400_000  # ~1.1 MB of weights: three shards and an index file, as GLM-5.3's checkpoint
 PAGE_SIZE = 64  # DSA forces 64-token KV pages in SGLang
 
 CONFIG = {
@@ -110,7 +111,8 @@ def generate(out: Path) -> None:
         for layer in model.model.layers[cfg.first_k_dense_replace :]:
             # A non-zero routing bias, so the correction-bias path is exercised, not skipped.
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
-    model.save_pretrained(out, safe_serialization=True)
+    # Sharded with model.safetensors.index.json, GLM-5.3's HF layout: SGLang loads through the index.
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=SHARD_BYTES)
     (out / "glm53_dsa_tiny.json").write_text(json.dumps({"recipe": recipe_hash(), "seed": SEED}) + "\n")
 
 

@@ -40,12 +40,21 @@ def test_weights_proj_is_bf16_exact_and_tokenizer_is_glm53_tiny(ckpt):
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    with safe_open(ckpt / "model.safetensors", "pt") as f:
+    where = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(ckpt / where["model.layers.1.self_attn.indexer.weights_proj.weight"], "pt") as f:
         w = f.get_tensor("model.layers.1.self_attn.indexer.weights_proj.weight")
-        assert "model.layers.1.self_attn.indexer.wk.weight" in f.keys()
+    assert "model.layers.1.self_attn.indexer.wk.weight" in where
     assert torch.equal(w, w.to(torch.bfloat16).float())  # SGLang holds it in bf16
     a, b = AutoTokenizer.from_pretrained(ckpt), AutoTokenizer.from_pretrained(tiny.ensure())
     assert a.get_vocab() == b.get_vocab() and a.chat_template == b.chat_template
+
+
+def test_the_checkpoint_is_sharded_with_an_index_as_glm53s(ckpt):
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2 and shards == sorted(p.name for p in ckpt.glob("model-*-of-*.safetensors"))
+    assert not (ckpt / "model.safetensors").exists()
+    assert {k.split(".")[2] for k in index["weight_map"] if k.startswith("model.layers.")} == {"0", "1", "2"}
 
 
 @pytest.mark.parametrize("topology", ["single", "pd"])
@@ -58,3 +67,10 @@ def test_cpu_dsa_toml_serves_the_preset_with_64_token_pages(topology):
     role = "single" if topology == "single" else "prefill"
     argv = topo.server_argv("/m", 1, role, 2)
     assert argv[argv.index("--page-size") + 1] == "64"
+
+
+def test_a_sharded_checkpoint_is_generated_once(ckpt):
+    def generate_again(out):
+        raise AssertionError(f"regenerated an existing checkpoint into {out}")
+
+    assert tiny.ensure_checkpoint(ckpt, generate_again) == ckpt
