@@ -115,6 +115,14 @@ class GatewayConfig:
                 raise ValueError(f"gateway: {message}")
 
 
+@dataclass(slots=True, frozen=True)
+class Judged:
+    """What judging a request (Gateway.judge_generation) tells the rest of its path."""
+
+    prompt_tokens: int | None = None  # for the tenant's fair share; None where not counted
+    hide_usage: bool = False  # an OpenAI stream whose client did not ask for usage (usage.py)
+
+
 def error_response(status: int, body: dict) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
@@ -303,9 +311,9 @@ class Gateway:
         try:
             tenant, kid = self.identify(request)
             raw = await self.read_body(request)
-            prompt_tokens = await judge(request, endpoint, raw, tenant) if judge is not None else None
+            judged = await judge(request, endpoint, raw, tenant) if judge is not None else Judged()
             if judge is not None:  # generation: the tenant's fair share (fair_share.py)
-                self.fair.charge(tenant, prompt_tokens or 0)
+                self.fair.charge(tenant, judged.prompt_tokens or 0)
                 slot = await self.fair.enter(tenant)
         except ClientError as e:
             response = self._error(tenant, endpoint, e.status, e.body())
@@ -315,22 +323,25 @@ class Gateway:
         except ClientDisconnect:
             return done(Response(status_code=499))
         try:
-            response = await self.forward(request, tenant, endpoint, raw, started, trace)
+            response = await self.forward(request, tenant, endpoint, raw, started, trace, judged.hide_usage)
         except BaseException:
             if slot is not None:
                 slot.release()
             raise
         return done(response)
 
-    async def judge_generation(self, request: Request, endpoint: str, raw: bytes, tenant: str) -> int | None:
-        """Refuse the request (ClientError) or return its prompt's token count; None where it was
-        not counted (not ours to count, or short enough to skip encoding and its tenant has no
-        prompt-token budget)."""
+    async def judge_generation(self, request: Request, endpoint: str, raw: bytes, tenant: str) -> Judged:
+        """Refuse the request (ClientError) or say what forwarding it needs to know (Judged)."""
         # The workers' own validation, here first: behind the router a worker's 400 loses its
         # `param` (PD bodies are rewritten) and the router judges some fields by other bounds.
         body = validation.parse_body(raw, request.headers.get("content-type"))
         self.validator.check(endpoint, body)
-        request.state.hide_usage = usage.hides_usage(endpoint, body)
+        return Judged(await self.count_prompt(endpoint, body, tenant), usage.hides_usage(endpoint, body))
+
+    async def count_prompt(self, endpoint: str, body: dict, tenant: str) -> int | None:
+        """Refuse the request (ClientError) or return its prompt's token count; None where it was
+        not counted (not ours to count, or short enough to skip encoding and its tenant has no
+        prompt-token budget)."""
         for name in DEPLOYMENT_FIELDS:
             if name in body:
                 raise ClientError(
@@ -371,7 +382,14 @@ class Gateway:
         return headers
 
     async def forward(
-        self, request: Request, tenant: str, endpoint: str, raw: bytes, started: float, trace: str
+        self,
+        request: Request,
+        tenant: str,
+        endpoint: str,
+        raw: bytes,
+        started: float,
+        trace: str,
+        hide_usage: bool = False,
     ) -> Response:
         sent = time.perf_counter()
         self.upstream_timing.admission.observe(sent - started)
@@ -405,7 +423,7 @@ class Gateway:
         self.requests.labels(tenant=tenant, endpoint=endpoint, status=str(upstream.status), reason="").inc()
         if endpoint in GENERATION:
             self._served_at = time.monotonic()
-        return UpstreamStream(upstream, sent, self.upstream_timing, getattr(request.state, "hide_usage", False))
+        return UpstreamStream(upstream, sent, self.upstream_timing, hide_usage)
 
     def _error(self, tenant: str, endpoint: str, status: int, body: dict) -> JSONResponse:
         """An error answer, counted by its contract code (a bounded label: error_body takes no other)."""
