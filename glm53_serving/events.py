@@ -41,16 +41,17 @@ ISOLATION_EVENTS = ("kv_isolation_violation", "kv_handoff_mismatch")
 _logger: logging.Logger | None = None
 _listener: logging.handlers.QueueListener | None = None
 _pid: int | None = None
+_worker = ""  # the server's name: the last part of GLM53_EVENTS_LOG
 
 
 def _writer() -> logging.Logger | None:
     """This process's writer, opened on first use (and again in a forked child)."""
-    global _logger, _listener, _pid
+    global _logger, _listener, _pid, _worker
     prefix = env.EVENTS_LOG.get()
     if not prefix:
         return None
     if _logger is None or _pid != os.getpid():
-        _pid = os.getpid()
+        _pid, _worker = os.getpid(), Path(prefix).name
         path = Path(f"{prefix}.{_pid}.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.handlers.RotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=BACKUPS, delay=True)
@@ -70,11 +71,10 @@ def record(event: str, *, rid, request_id: str | None = None, **fields) -> None:
     writer = _writer()
     if writer is None:
         return
-    prefix = env.EVENTS_LOG.get() or ""
     line = {
         "ts": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "event": event,
-        "worker": Path(prefix).name,
+        "worker": _worker,
         "pid": _pid,
         "rid": rid,
         "request_id": request_id,

@@ -103,6 +103,22 @@ def auth(url: str, tenant: str = "demo") -> dict:
     raise AssertionError(f"{url} belongs to no deployment launched by these tests")
 
 
+def eventually(find, timeout: float = 30):
+    """What `find` returns once it is truthy, or its last answer after `timeout` s (logs written
+    by writer threads arrive a little after the answer)."""
+    deadline = time.monotonic() + timeout
+    while not (found := find()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
+
+
+def worker_events(run: Launched, **match) -> list[dict]:
+    """The workers' event log lines (glm53_serving/events.py) with these field values."""
+    from glm53_serving import events
+
+    return [e for e in events.read(run.info["events_dir"]) if all(e.get(k) == v for k, v in match.items())]
+
+
 def alive(pids: list[int]) -> list[int]:
     out = []
     for p in pids:

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.launcher import launch
+from tests.e2e.launcher import eventually, launch, worker_events
 
 pytestmark = pytest.mark.e2e
 
@@ -177,19 +177,17 @@ def _isolation_scenario(run, worker_name):
 def assert_the_operator_can_tell_who_was_affected(run, worker_name, since, victims):
     """The worker logged each abort with the request's id, and one command names the victims'
     tenant with the ids its client was answered under, and no other tenant."""
-    from glm53_serving import events
 
-    def logged():
-        return [
+    def violations():
+        found = [
             e
-            for e in events.read(run.info["events_dir"])
-            if e["event"] == "kv_isolation_violation" and str(e["rid"]).startswith("kvfault-foreign-")
+            for e in worker_events(run, event="kv_isolation_violation")
+            if str(e["rid"]).startswith("kvfault-foreign-")
         ]
+        return found if len(found) >= len(victims) else []
 
-    deadline = time.monotonic() + 30
-    while len(logged()) < len(victims) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert {e["worker"] for e in logged()} == {worker_name} and len(logged()) >= len(victims), logged()
+    logged = eventually(violations)
+    assert {e["worker"] for e in logged} == {worker_name} and len(logged) >= len(victims), worker_events(run)
     out = subprocess.run(
         [sys.executable, "-m", "glm53_serving.audit", "affected", "--run-dir", str(run.run_dir), "--since", since],
         capture_output=True,
@@ -265,19 +263,13 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
         assert_contract_500(r, "kv_handoff_mismatch")
     assert metric(decode, "glm53_kv_isolation_violations_total", run.worker_headers(), where="handoff") >= before + 3
     # Decode logged each with the request's id (what `audit affected` reads: events.py)
-    from glm53_serving import events as worker_events
+    handed_off = {"kvfault-short-1", "kvfault-long-1", "kvfault-rebootstrap-1"}
 
     def mismatches():
-        return {
-            e["rid"]
-            for e in worker_events.read(run.info["events_dir"])
-            if e["event"] == "kv_handoff_mismatch" and e["worker"] == "decode-0"
-        }
+        found = {e["rid"] for e in worker_events(run, event="kv_handoff_mismatch", worker="decode-0")}
+        return found if found >= handed_off else set()
 
-    deadline = time.monotonic() + 30
-    while len(mismatches()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert mismatches() >= {"kvfault-short-1", "kvfault-long-1", "kvfault-rebootstrap-1"}, mismatches()
+    assert eventually(mismatches) >= handed_off, worker_events(run, event="kv_handoff_mismatch")
 
     # The servers stay up, and a burst of one tenant's failing requests does not make the router
     # refuse another tenant (no circuit breaker, no retries: launch/cpu.toml; upstream's defaults

@@ -5,7 +5,6 @@ request, through the real router in PD, with the real `openai` client."""
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -13,29 +12,17 @@ import httpx
 import openai
 import pytest
 
-from glm53_serving import events
+from tests.e2e.launcher import eventually, worker_events
 
 pytestmark = pytest.mark.e2e
 
 WORKERS = {"single": ["server"], "pd": ["decode-0", "prefill-0"]}
 
 
-def eventually(find, timeout: float = 30):
-    """What `find` returns once it is truthy (the logs are written by writer threads)."""
-    deadline = time.monotonic() + timeout
-    while not (found := find()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return found
-
-
 def audit_record(run, request_id: str) -> dict | None:
     log = Path(run.info["audit_log"])
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return next((r for r in rows if r["request_id"] == request_id), None)
-
-
-def worker_events(run, **match) -> list[dict]:
-    return [e for e in events.read(run.info["events_dir"]) if all(e.get(k) == v for k, v in match.items())]
 
 
 def audit_cli(run, *args: str) -> subprocess.CompletedProcess:
