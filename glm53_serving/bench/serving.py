@@ -5,6 +5,7 @@
     python -m glm53_serving.bench.serving gateway --gateway-own-core --simultaneous  # the hop's latency alone
     python -m glm53_serving.bench.serving kv_guard  # single server: KV guard on vs. GLM53_KV_GUARD_OFF=zero,owner,handoff
     python -m glm53_serving.bench.serving kv_guard --vs-upstream  # ... vs. GLM53_SERVING_DISABLE=1
+    python -m glm53_serving.bench.serving kv_guard --config launch/cpu-dsa.toml  # ... on glm53-dsa-tiny
 
 Each side runs SGLang's load generator (`sglang.bench_serving`'s Rust client by default,
 `--client python` for the Python one; dataset random-ids, greedy) once to warm up (not counted),
@@ -44,6 +45,7 @@ from glm53_serving.env import KV_GUARD_OFF, SERVING_DISABLE
 from glm53_serving.hooks import KV_PARTS
 from glm53_serving.launch import Tenancy
 from glm53_serving.models import tiny
+from glm53_serving.topology import Topology, default_config_path
 
 
 def start(run_dir: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
@@ -95,9 +97,9 @@ def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[d
             "--dataset-name",
             "random-ids",
             "--tokenizer",
-            str(tiny.ensure()),
+            str(tiny.ensure()),  # every embedded preset has glm53-tiny's tokenizer
             "--model",
-            "glm53-tiny",
+            a.model,
             "--num-prompts",
             str(a.num_prompts),
             "--random-input-len",
@@ -217,19 +219,22 @@ def main(argv=None) -> None:
     p.add_argument(
         "--rounds", type=int, default=None, help="counted rounds per side, after one warm-up round each (default 8)"
     )
+    p.add_argument("--config", type=Path, default=None, help="topology file (TOML); default: the launcher's")
     a = p.parse_args(argv)
     a.rounds = a.rounds or 8
+    a.config = a.config or default_config_path()
+    a.model = Topology.load(a.config).model.served_model_name
     tmp = Path(tempfile.mkdtemp(prefix="glm53-bench-"))
     print(
         f"{a.what}: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
-        f"{a.rounds} rounds per side ({'both sides at once' if a.simultaneous else 'alternating'}); logs in {tmp}"
+        f"{a.model} ({a.config}), {a.rounds} rounds per side ({'both sides at once' if a.simultaneous else 'alternating'}); logs in {tmp}"
     )
     if a.what == "gateway":
         if a.gateway_own_core:  # inherited by the launcher's children and the load generator
             *serving_cores, gateway_core = sorted(os.sched_getaffinity(0))
             assert serving_cores, "--gateway-own-core needs 2 or more cores"
             os.sched_setaffinity(0, serving_cores)
-        proc, info = start(tmp / a.topology, "--topology", a.topology)
+        proc, info = start(tmp / a.topology, "--config", str(a.config), "--topology", a.topology)
         if a.gateway_own_core:
             pin(process(info, "gateway")["pid"], {gateway_core})
             print(f"gateway on core {gateway_core}; workers, router and load generator on cores {serving_cores}")
@@ -319,7 +324,7 @@ def main(argv=None) -> None:
             # difference is the KV guard's); --vs-upstream: the whole plugin off.
             off = {SERVING_DISABLE.name: "1"} if a.vs_upstream else {KV_GUARD_OFF.name: ",".join(KV_PARTS)}
             for side, env in (("on", {}), ("off", off)):
-                deployments[side] = start(tmp / side, "--topology", "single", env=env)
+                deployments[side] = start(tmp / side, "--config", str(a.config), "--topology", "single", env=env)
             # The server's CPU (HTTP process + scheduler) per output token: what the guard adds,
             # less exposed than throughput to what else the 2 cores run in a round.
             tree = {side: server_tree(info) for side, (_, info) in deployments.items()}

@@ -22,10 +22,33 @@ print("RESULT" + json.dumps({"problems": plugin.problems("http"), "status": plug
 """
 
 
-def run_probe(**env):
-    e = {k: v for k, v in os.environ.items() if k not in ("GLM53_SERVING_DISABLE", "GLM53_KV_GUARD_OFF")}
-    e.update(SGLANG_USE_CPU_ENGINE="1", **env)
-    out = subprocess.run([sys.executable, "-c", PROBE], env=e, capture_output=True, text=True, timeout=300)
+# A scheduler process as on a GPU: SGLang resolves the platform from SGLANG_USE_CPU_ENGINE
+# (utils.is_cpu), so without it the table resolves as on CUDA; the probe then enters the real
+# (hooked) Scheduler.__init__, whose rows run before upstream's body fails on no arguments, and
+# runs the scheduler's own start-up self-check.
+CUDA_SCHEDULER_PROBE = r"""
+import json
+from sglang.srt.plugins import load_plugins
+from sglang.srt.utils import is_cpu
+load_plugins()
+from glm53_serving import plugin
+from sglang.srt.managers.scheduler import Scheduler
+try:
+    Scheduler(None, None)
+except Exception:
+    pass
+print("RESULT" + json.dumps({"is_cpu": is_cpu(), "problems": plugin.problems("scheduler"),
+                             "status": plugin.status()}))
+"""
+
+
+def run_probe(probe=PROBE, cpu=True, **env):
+    drop = ("GLM53_SERVING_DISABLE", "GLM53_KV_GUARD_OFF", "GLM53_CPU_DSA", "SGLANG_USE_CPU_ENGINE")
+    e = {k: v for k, v in os.environ.items() if k not in drop}
+    if cpu:
+        e["SGLANG_USE_CPU_ENGINE"] = "1"
+    e.update(**env)
+    out = subprocess.run([sys.executable, "-c", probe], env=e, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
     return json.loads(line[len("RESULT") :]), out.stderr
@@ -48,6 +71,19 @@ def test_the_dsa_rows_apply_only_where_a_dsa_model_is_served():
         h.target for h in active_hooks(cpu=True, guards=True)
     }
     assert {h.target for h in HOOKS if h.dsa_only} & set(res["status"]["hooks"]) == set()
+
+
+def test_on_a_gpu_platform_a_scheduler_passes_its_self_check_with_every_row_but_the_cpu_ones():
+    """GPU readiness without a GPU: a row a scheduler needs everywhere but registered only on CPU
+    (as the Mooncake reason row once was) leaves a CUDA scheduler refusing to start."""
+    from glm53_serving.hooks import HOOKS, active_hooks
+
+    res, _ = run_probe(CUDA_SCHEDULER_PROBE, cpu=False, GLM53_CPU_DSA="1")
+    assert res["is_cpu"] is False  # the probe really resolved the table as on a GPU
+    assert res["problems"] == [], res["problems"]
+    assert set(res["status"]["hooks"]) == {h.target for h in active_hooks(cpu=False, guards=True)}
+    assert {h.target for h in HOOKS if not h.cpu_only} <= set(res["status"]["hooks"])
+    assert not {h.target for h in HOOKS if h.cpu_only} & set(res["status"]["hooks"])
 
 
 def test_a_hook_that_fails_to_apply_is_listed_among_the_problems_the_handshake_refuses_on():
