@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import httpx
 import psutil
 
 from glm53_serving import env, tenants
-from glm53_serving.topology import Topology, default_config_path, free_port, shell_line
+from glm53_serving.topology import LOCAL_NODE, Topology, default_config_path, free_port, shell_line
 
 LOG_TAIL_LINES = 60
 PROGRESS_EVERY_S = 5.0
@@ -64,6 +65,7 @@ class Child:
     # goes through the launcher, which writes it as plain text for whoever reads it with less/grep.
     plain_log: bool = False
     note: str = "starting"
+    node: str = LOCAL_NODE  # where it runs: a launcher started with --node starts only its own
 
     def tail(self, n: int = LOG_TAIL_LINES) -> str:
         try:
@@ -232,8 +234,10 @@ def wait_ready(
     t0: float,
     timeout_s: float,
     headers: Callable[[], dict[str, str]] = dict,
+    children: list[Child] | None = None,
 ) -> None:
-    by_name = {c.name: c for c in sup.children}
+    """Probe until every pending child is ready; `children` may name remote ones (other nodes)."""
+    by_name = {c.name: c for c in (children if children is not None else sup.children)}
     last_progress = time.monotonic()
     with httpx.Client() as client:
         while pending:
@@ -302,7 +306,8 @@ class Tenancy:
     DEMO_TENANTS = ("demo", "demo-b")
 
     @classmethod
-    def prepare(cls, topo: Topology, run_dir: Path, create: bool = True) -> Tenancy:
+    def prepare(cls, topo: Topology, run_dir: Path, create: bool = True, demo_tenants: bool = True) -> Tenancy:
+        """`demo_tenants` False: a node without the gateway (only the gateway reads the tenants file)."""
         conf = topo.tenants
         base = Path(topo.source).parent if topo.source != "<inline>" else Path.cwd()
         key_file = (base / conf.assertion_key_file) if conf.assertion_key_file else run_dir / "assertion.key"
@@ -314,12 +319,12 @@ class Tenancy:
         if not conf.assertion_key_file:
             tenants.new_assertion_key(key_file)
         tenants.load_assertion_key(key_file)  # exists and is long enough, before anything starts
-        if conf.mode == "demo":
+        if conf.mode == "demo" and demo_tenants:
             out.demo_keys = {t: tenants.add_tenant(tenants_file, t) for t in cls.DEMO_TENANTS}
             fd = os.open(run_dir / "demo-keys.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(out.demo_keys, f)
-        if tenants_file is not None:
+        if tenants_file is not None and (demo_tenants or conf.mode == "file"):
             tenants.TenantsFile.load(tenants_file)
         return out
 
@@ -348,96 +353,158 @@ class Plan:
     router: Child | None  # PD only
     gateway: Child  # the client endpoint of every topology
     operator_url: str  # the gateway's operator listener (/metrics): never the client port
+    public_url: str  # where clients connect: [gateway] bind as written (0.0.0.0 included)
 
     def all(self) -> list[Child]:
         return [*self.servers, *([self.router] if self.router else []), self.gateway]
 
+    def stages(self) -> list[list[Child]]:
+        """In start order: each stage starts once every child of the earlier ones is ready."""
+        return [self.servers, *([[self.router]] if self.router else []), [self.gateway]]
+
+    def on(self, node: str | None) -> list[Child]:
+        """The children that run on `node` (every child when None)."""
+        return [c for c in self.all() if node is None or c.node == node]
+
+
+def _reachable(host: str, node_host: str) -> str:
+    # A wildcard bind is reached on the node's own address.
+    return node_host if host in ("0.0.0.0", "::", "") else host
+
 
 def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Plan:
-    """Every child of the topology, with fresh ports."""
+    """Every child of the topology, on its node: fixed ports where the file names nodes, fresh
+    free ones on a single host."""
     shared = topo.process_env()
     worker_env = {**shared, **tenancy.env()}
-    h = topo.host
-
-    def child(
-        name: str, argv_for_port, extra_env: dict[str, str] | None = None, base: dict[str, str] = worker_env
-    ) -> Child:
-        port = free_port(h)
-        return Child(
-            name, argv_for_port(port), {**base, **(extra_env or {})}, f"http://{h}:{port}", run_dir / f"{name}.log"
+    places = {}
+    for p in topo.placements():
+        host = topo.node(p.node).host
+        places[p.name] = dataclasses.replace(
+            p,
+            port=p.port if p.port is not None else free_port(_reachable(p.host, host)),
+            bootstrap_port=(p.bootstrap_port or free_port(host)) if p.role == "prefill" else None,
+            operator_port=(p.operator_port or free_port(host)) if p.role == "gateway" else None,
+            metrics_port=(p.metrics_port or free_port(host)) if p.role == "router" else None,
         )
 
-    def server(name: str, argv_for_port, extra_env: dict[str, str] | None = None) -> Child:
-        # Its event log (events.py): which requests it took, what its guards saw.
-        return child(name, argv_for_port, {**(extra_env or {}), env.EVENTS_LOG.name: str(run_dir / "events" / name)})
+    def child(p, argv: list[str], base: dict[str, str], extra: dict[str, str] | None = None) -> Child:
+        node_host = topo.node(p.node).host
+        # The bootstrap server and the transfer engine advertise SGLANG_HOST_IP to peers.
+        env_ = {**base, "SGLANG_HOST_IP": node_host, **(extra or {})}
+        url = f"http://{_reachable(p.host, node_host)}:{p.port}"
+        return Child(p.name, argv, env_, url, run_dir / f"{p.name}.log", node=p.node)
 
-    if topo.topology == "single":
-        servers = [server("server", lambda port: topo.server_argv(model_path, port, "single"))]
-        router = None
-        upstream = servers[0].url
-    else:
-        boots = [free_port(h) for _ in range(topo.prefill.count)]
-        # Prefill and decode accept handoffs naming these bootstrap endpoints only (intake.py).
-        trusted = {env.PREFILL_BOOTSTRAP.name: ",".join(f"{h}:{b}" for b in boots)}
-        prefills = [
-            server(f"prefill-{i}", lambda port, b=b: topo.server_argv(model_path, port, "prefill", b), trusted)
-            for i, b in enumerate(boots)
-        ]
-        decodes = [
-            server(f"decode-{i}", lambda port: topo.server_argv(model_path, port, "decode"), trusted)
-            for i in range(topo.decode.count)
-        ]
-        servers = [*prefills, *decodes]
+    servers_at = [p for p in places.values() if p.role in ("single", "prefill", "decode")]
+    prefills = [p for p in servers_at if p.role == "prefill"]
+    # Prefill and decode accept handoffs naming these bootstrap endpoints only (intake.py).
+    trusted = (
+        {env.PREFILL_BOOTSTRAP.name: ",".join(f"{p.host}:{p.bootstrap_port}" for p in prefills)} if prefills else {}
+    )
+    servers = [
+        child(
+            p,
+            topo.server_argv(model_path, p.port, p.role, p.bootstrap_port, p),
+            worker_env,
+            # Its event log (events.py): which requests it took, what its guards saw.
+            {**trusted, env.EVENTS_LOG.name: str(run_dir / "events" / p.name)},
+        )
+        for p in servers_at
+    ]
+    router = None
+    upstream = servers[0].url
+    if "router" in places:
+        r = places["router"]
+        by_name = {c.name: c for c in servers}
         # The router forwards the gateway's assertions and never checks one: it gets no key.
         router = child(
-            "router",
-            lambda port: topo.router_argv(
-                port, free_port(h), [(p.url, b) for p, b in zip(prefills, boots)], [d.url for d in decodes]
+            r,
+            topo.router_argv(
+                r.port,
+                r.metrics_port,
+                [(by_name[p.name].url, p.bootstrap_port) for p in prefills],
+                [by_name[p.name].url for p in servers_at if p.role == "decode"],
+                host=r.host,
             ),
-            base=shared,
+            shared,
         )
         router.plain_log = True
         upstream = router.url
-    operator_port = free_port(h)
+    g = places["gateway"]
+    node_host = topo.node(g.node).host
     gateway = child(
-        "gateway",
-        lambda port: topo.gateway_argv(
-            upstream, model_path, port, tenancy.tenants_file, operator_port, run_dir / "audit.jsonl"
+        g,
+        topo.gateway_argv(
+            upstream,
+            model_path,
+            g.port,
+            tenancy.tenants_file,
+            g.operator_port,
+            run_dir / "audit.jsonl",
+            host=g.host,
+            operator_host=node_host,
         ),
-        base={**shared, **tenancy.gateway_env()},
+        {**shared, **tenancy.gateway_env()},
     )
-    return Plan(servers, router, gateway, f"http://{h}:{operator_port}")
+    return Plan(servers, router, gateway, f"http://{node_host}:{g.operator_port}", f"http://{g.host}:{g.port}")
 
 
-def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
+def launch(topo: Topology, run_dir: Path, sup: Supervisor, node: str | None = None) -> dict:
+    """Start the topology's children on `node` (all of them when None) and wait until they are
+    ready; a stage waits for the earlier stages' children wherever they run (remote workers
+    included: the router's node waits for every server)."""
     t0 = time.monotonic()
     model_path = resolve_model_path(topo)
-    tenancy = Tenancy.prepare(topo, run_dir)
+    p0 = plan(topo, "", run_dir, Tenancy.prepare(topo, run_dir, create=False))
+    here = p0.on(node)
+    if not here:
+        raise LaunchError(f"node {node!r} runs none of this topology's processes")
+    gateway_here = p0.gateway.node == node or node is None
+    tenancy = Tenancy.prepare(topo, run_dir, demo_tenants=gateway_here)
     if topo.tenants.mode == "off":
         say('WARNING: tenants are OFF ([tenants] mode = "off"): every client shares one trust domain')
     p = plan(topo, model_path, run_dir, tenancy)
-    say(f"{topo.topology} topology from {topo.source}; run dir {run_dir}")
-    for s in p.servers:
-        sup.start(s)
-    wait_ready(sup, {s.name: server_probe for s in p.servers}, t0, topo.ready_timeout_s, tenancy.admin_headers)
-    if p.router is not None:
-        sup.start(p.router)
-        wait_ready(sup, {p.router.name: router_probe(len(p.servers))}, t0, topo.ready_timeout_s)
-    sup.start(p.gateway)
-    wait_ready(sup, {p.gateway.name: gateway_probe}, t0, topo.ready_timeout_s)
+    mine = {c.name for c in p.on(node)}
+    say(f"{topo.topology} topology from {topo.source}" + (f", node {node}" if node else "") + f"; run dir {run_dir}")
+    probes: dict[str, Callable[[Child, httpx.Client], bool]] = {
+        **{s.name: server_probe for s in p.servers},
+        **({p.router.name: router_probe(len(p.servers))} if p.router else {}),
+        p.gateway.name: gateway_probe,
+    }
+    waited: set[str] = set()
+    for stage in p.stages():
+        local = [c for c in stage if c.name in mine]
+        if not local:
+            continue
+        earlier = [c for st in p.stages()[: p.stages().index(stage)] for c in st if c.name not in waited]
+        if earlier:  # remote ones too: this node's processes need them
+            wait_ready(
+                sup, {c.name: probes[c.name] for c in earlier}, t0, topo.ready_timeout_s, tenancy.admin_headers, p.all()
+            )
+            waited |= {c.name for c in earlier}
+        for c in local:
+            sup.start(c)
+        wait_ready(
+            sup, {c.name: probes[c.name] for c in local}, t0, topo.ready_timeout_s, tenancy.admin_headers, p.all()
+        )
+        waited |= {c.name for c in local}
     client_url = p.gateway.url
-    if not tenancy.on or tenancy.demo_keys:  # through the front door, as a client would
-        key = next(iter(tenancy.demo_keys.values()), None)
-        smoke_generate(client_url, {"Authorization": f"Bearer {key}"} if key else {})
-    else:  # the operator's tenants file: we hold no tenant key; the upstream takes the admin's assertion
-        smoke_generate(p.router.url if p.router else p.servers[0].url, tenancy.admin_headers())
+    if gateway_here:
+        if not tenancy.on or tenancy.demo_keys:  # through the front door, as a client would
+            key = next(iter(tenancy.demo_keys.values()), None)
+            smoke_generate(client_url, {"Authorization": f"Bearer {key}"} if key else {})
+        else:  # the operator's tenants file: we hold no tenant key; the upstream takes the admin's assertion
+            smoke_generate(p.router.url if p.router else p.servers[0].url, tenancy.admin_headers())
     ready_s = time.monotonic() - t0
     info = {
         "client_url": client_url,
+        "public_url": p.public_url,
         "operator_url": p.operator_url,
         "audit_log": str(run_dir / "audit.jsonl"),
         "events_dir": str(run_dir / "events"),
         "topology": topo.topology,
+        "node": node,
+        "serves_clients": gateway_here,  # the gateway runs here
         "model": topo.model.served_model_name,
         "ready_s": round(ready_s, 1),
         "launcher_pid": os.getpid(),
@@ -445,7 +512,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
         "all_pids": sup.pids(),
         "tenants": {
             "mode": topo.tenants.mode,
-            "file": str(tenancy.tenants_file) if tenancy.tenants_file else None,
+            "file": str(tenancy.tenants_file) if tenancy.tenants_file and gateway_here else None,
             "assertion_key_file": str(tenancy.key_file) if tenancy.key_file else None,
             "demo_keys_file": str(run_dir / "demo-keys.json") if tenancy.demo_keys else None,
             "deployment": tenancy.deployment,  # the audience of its assertions: tenants.audience(deployment)
@@ -458,6 +525,14 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor) -> dict:
 
 
 def print_ready(info: dict) -> None:
+    if not info["serves_clients"]:
+        names = ", ".join(p["name"] for p in info["processes"])
+        print(
+            f"\nnode {info['node']} ready in {info['ready_s']} s: {names}\n"
+            f"  clients connect to the gateway: {info['public_url']}\n  Ctrl-C stops this node's processes.\n",
+            flush=True,
+        )
+        return
     url, model, key = info["client_url"], info["model"], info.pop("demo_key", None)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
     auth = f" -H 'Authorization: Bearer {key}'" if key else ""
@@ -496,6 +571,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="where logs, commands and ready.json go; default runs/<UTC time>-<topology>",
     )
+    p.add_argument(
+        "--node",
+        default=None,
+        help="a multi-node file ([[nodes]]): start only this node's processes (one launcher per node)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands it would run, start nothing")
     return p.parse_args(argv)
 
@@ -505,18 +585,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo = Topology.load(args.config or default_config_path(), args.topology)
         topo.admission_plan()  # the start-up lint: refuse before starting anything
+        nodes = [n.name for n in topo.nodes]
+        if args.node is not None and args.node not in nodes:
+            raise ValueError(f"--node {args.node}: the file's nodes are {nodes or 'none (it is single-host)'}")
+        if nodes and args.node is None and not args.dry_run:
+            raise ValueError(f"this file places processes on nodes {nodes}: start each with --node NAME")
     except (OSError, ValueError) as e:
         say(f"bad topology: {e}")
         return 2
-    run_dir = args.run_dir or Path("runs") / f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{topo.topology}"
+    suffix = f"-{args.node}" if args.node else ""
+    run_dir = args.run_dir or Path("runs") / f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{topo.topology}{suffix}"
     run_dir = run_dir.resolve()
     if args.dry_run:
         p = plan(
             topo, topo.model.path or f"<{topo.model.preset}>", run_dir, Tenancy.prepare(topo, run_dir, create=False)
         )
-        for c in p.all():
-            print(f"# {c.name}\n{shell_line(c.argv, c.env)}")
-        print(f"# client URL: {p.gateway.url}")
+        for n in [args.node] if args.node else (nodes or [None]):
+            if n is not None:
+                print(
+                    f"## node {n} ({topo.node(n).host}): python -m glm53_serving.launch --config {topo.source} --node {n}"
+                )
+            for c in p.on(n):
+                print(f"# {c.name}\n{shell_line(c.argv, c.env)}")
+        print(f"# client URL: {p.public_url}")
         return 0
 
     def on_signal(signum, _frame):
@@ -526,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     sup = Supervisor(run_dir)
     try:
-        print_ready(launch(topo, run_dir, sup))
+        print_ready(launch(topo, run_dir, sup, args.node))
         while True:  # serve until a child dies or we are told to stop
             sup.check_alive()
             time.sleep(1.0)

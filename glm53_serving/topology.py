@@ -33,6 +33,14 @@ GLM53_PARSERS = (("--tool-call-parser", "glm47"), ("--reasoning-parser", "glm45"
 SGLANG_DEFAULT_DECODE_RESERVE = 512  # --num-reserved-decode-tokens default in sglang 0.5.23
 
 
+LOCAL_NODE = "local"  # the one node of a file that names none: every process on `host`, free ports
+# Where each listener of a multi-node file defaults to (SGLang's and sglang-router's own defaults),
+# on its node's private address; a file that names nodes gets fixed ports, since a launcher on one
+# node cannot ask another node which ports are free.
+DEFAULT_PORTS = {"server": 30000, "bootstrap": 8998, "router": 8000, "router_metrics": 29000, "operator": 9100}
+NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label: node names become Kubernetes names
+
+
 class TopologyError(ValueError):
     """A topology file that cannot be deployed as written (the message names the key and the way out)."""
 
@@ -61,6 +69,45 @@ class ModelConf:
 
 
 @dataclass(slots=True)
+class NodeConf:
+    """One machine of a multi-node deployment."""
+
+    name: str
+    host: str  # its private address: its processes bind it and peers reach them on it
+    gpus: int = 0  # GPUs it has (device = "cuda"): servers are placed on them in file order
+    ib_devices: list[str] = field(default_factory=list)  # RDMA NICs for Mooncake (--disaggregation-ib-device)
+
+    def __post_init__(self):
+        _require(NAME.fullmatch(self.name) is not None, f"nodes: {self.name!r} is not a name (a-z, 0-9, '-')")
+        _require(
+            bool(self.host) and self.host not in ("0.0.0.0", "::"),
+            f"node {self.name}: host is the private address its internal listeners bind, not {self.host!r} "
+            "(only [gateway] bind is public)",
+        )
+        _require(self.gpus >= 0, f"node {self.name}: gpus must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one process runs and listens. `port` None: a free port picked at launch (single host)."""
+
+    name: str  # server, prefill-0, decode-1, router, gateway
+    role: str  # single, prefill, decode, router, gateway
+    node: str
+    host: str  # the private address it binds (the gateway's client listener: [gateway] bind)
+    port: int | None = None
+    bootstrap_port: int | None = None  # prefill: Mooncake's bootstrap server
+    base_gpu_id: int | None = None  # cuda: its first GPU on the node (--base-gpu-id)
+    gpus: int = 0
+    operator_port: int | None = None  # gateway: the operator's listener, on the node's private address
+    metrics_port: int | None = None  # router: its Prometheus exporter
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(slots=True)
 class RoleConf:
     count: int = 1
     kv_tokens: int | None = None  # the role's KV pool (--max-total-tokens); [worker] gives the default
@@ -68,6 +115,9 @@ class RoleConf:
     decode_reserve: int | None = None  # decode only: --num-reserved-decode-tokens (SGLang default 512)
     max_body_bytes: int | None = None  # [worker] only: servers' body limit; default the router's payload limit
     args: list[str] = field(default_factory=list)  # extra SGLang flags for this role, verbatim
+    node: str | None = None  # multi-node: the node its servers run on ([worker]: the single server's)
+    port: int | None = None  # multi-node: its first server's HTTP port; server i listens on port + i
+    bootstrap_port: int | None = None  # multi-node prefill: its first server's bootstrap port (+ i)
 
     def __post_init__(self):
         _require(self.count >= 1, "a role needs at least one server")
@@ -78,7 +128,17 @@ class RoleConf:
             self.decode_reserve is None or self.decode_reserve >= 0,
             f"decode_reserve must be >= 0, not {self.decode_reserve}",
         )
-        for flag in ("--max-total-tokens", "--page-size", "--num-reserved-decode-tokens", "--context-length"):
+        for flag in (
+            "--max-total-tokens",
+            "--page-size",
+            "--num-reserved-decode-tokens",
+            "--context-length",
+            "--host",
+            "--port",
+            "--base-gpu-id",
+            "--disaggregation-bootstrap-port",
+            "--disaggregation-ib-device",
+        ):
             _require(
                 flag not in self.args,
                 f"set {flag} through the topology's own keys, not args: the limits derive from them",
@@ -92,12 +152,29 @@ class GatewayConf:
     # On stop (SIGTERM, Ctrl-C) the gateway admits nothing new and lets running answers finish
     # for at most this long; then every process stops.
     drain_s: float = 30.0
+    # The one public listener, "host:port" (e.g. "0.0.0.0:8080"); every other listener binds a
+    # private address. Default: the deployment's host and a free port (single host only).
+    bind: str | None = None
+    node: str | None = None  # multi-node: where it runs
+    operator_port: int | None = None  # multi-node: /metrics, on the node's private address
 
     def __post_init__(self):
         _require(
             self.max_body_bytes > 0 and self.upstream_timeout_s > 0 and self.drain_s >= 0,
             "[gateway] max_body_bytes and upstream_timeout_s must be positive, drain_s >= 0",
         )
+        if self.bind is not None:
+            host, _, port = self.bind.rpartition(":")
+            _require(
+                bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                f"[gateway] bind must be host:port (e.g. 0.0.0.0:8080), not {self.bind!r}",
+            )
+
+    def bind_address(self) -> tuple[str, int] | None:
+        if self.bind is None:
+            return None
+        host, _, port = self.bind.rpartition(":")
+        return host.strip("[]"), int(port)
 
 
 # Each layer behind the gateway accepts at least what the layer in front of it forwards, so the
@@ -160,6 +237,9 @@ class RouterConf:
     max_payload_bytes: int | None = None  # --max-payload-size; default INNER_BODY_FACTOR x the gateway's
     request_timeout_s: float | None = None  # --request-timeout-secs; default gateway's + INNER_TIMEOUT_MARGIN_S
     args: list[str] = field(default_factory=list)
+    node: str | None = None  # multi-node: where it runs
+    port: int | None = None  # multi-node: its HTTP port (the gateway's upstream)
+    metrics_port: int | None = None  # multi-node: its Prometheus exporter
 
     def __post_init__(self):
         for flag in ("--max-payload-size", "--request-timeout-secs"):
@@ -190,6 +270,11 @@ class Topology:
     tenants: TenantsConf = field(default_factory=TenantsConf)
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 600.0
+    # The machines, when there is more than one ([[nodes]]); each role then names its node and
+    # `python -m glm53_serving.launch --node NAME` starts that node's processes only.
+    nodes: list[NodeConf] = field(default_factory=list)
+    gpu: str | None = None  # the GPU model (e.g. "H200"): the capacity planner knows its memory
+    gpu_memory_gib: float | None = None  # or its memory per GPU, when the planner does not know the model
     source: str = "<inline>"
 
     def __post_init__(self):
@@ -227,6 +312,63 @@ class Topology:
             self.router_timeout_s() > self.gateway.upstream_timeout_s,
             "[router] request_timeout_s must exceed [gateway] upstream_timeout_s so the gateway answers first",
         )
+        _require(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, "gpu_memory_gib must be positive")
+        if self.nodes:
+            self._check_nodes()
+        else:
+            for what, conf in self._placed_confs():
+                _require(
+                    conf.node is None and getattr(conf, "port", None) is None,
+                    f"{what}: node and port are set per node; this file names no [[nodes]] (a single-host file "
+                    "picks free ports on `host`)",
+                )
+
+    def _placed_confs(self):
+        return [
+            ("[worker]", self.worker),
+            ("[prefill]", self.prefill),
+            ("[decode]", self.decode),
+            ("[router]", self.router),
+            ("[gateway]", self.gateway),
+        ]
+
+    def _check_nodes(self) -> None:
+        names = [n.name for n in self.nodes]
+        _require(len(set(names)) == len(names), f"[[nodes]]: node names must be unique, not {names}")
+        for what, conf in self._placed_confs():
+            if conf.node is not None:
+                _require(conf.node in names, f"{what} node = {conf.node!r}: no such node (nodes: {', '.join(names)})")
+        needs = (
+            ["[router]", "[prefill]", "[decode]", "[gateway]"] if self.topology == "pd" else ["[worker]", "[gateway]"]
+        )
+        for what, conf in self._placed_confs():
+            if what in needs:
+                _require(conf.node is not None, f"{what}: a multi-node file places every process: set node")
+        _require(
+            self.gateway.bind is not None,
+            '[gateway] bind: a multi-node deployment needs the public address clients use (e.g. "0.0.0.0:8080")',
+        )
+        _require(
+            self.tenants.assertion_key_file is not None,
+            "[tenants] assertion_key_file: every node must hold the same assertion key (a launcher per node "
+            "would otherwise make its own); write one with python -m glm53_serving.tenants new-key FILE",
+        )
+        placements = self.placements()
+        seen: dict[tuple[str, int], str] = {}
+        for p in placements:
+            for port in (p.port, p.bootstrap_port, p.operator_port, p.metrics_port):
+                if port is None:
+                    continue
+                where = (p.host, port)
+                _require(where not in seen, f"{p.name} and {seen.get(where)} both listen on {p.host}:{port}")
+                seen[where] = p.name
+        if self.device == "cuda":
+            for node in self.nodes:
+                used = sum(p.gpus for p in placements if p.node == node.name)
+                _require(
+                    used <= node.gpus,
+                    f"node {node.name}: its servers need {used} GPUs (tp x pp each), it has {node.gpus}",
+                )
 
     @classmethod
     def load(cls, path: Path | str, topology: str | None = None) -> Topology:
@@ -245,6 +387,7 @@ class Topology:
                 admission=AdmissionConf(**raw.pop("admission", {})),
                 gateway=GatewayConf(**raw.pop("gateway", {})),
                 tenants=TenantsConf(**raw.pop("tenants", {})),
+                nodes=[NodeConf(**n) for n in raw.pop("nodes", [])],
                 source=str(path),
                 **raw,
             )
@@ -252,6 +395,105 @@ class Topology:
             raise ValueError(f"{path}: {e}") from e
 
     # --- derived -----------------------------------------------------------------------------
+
+    def server_roles(self) -> list[str]:
+        return ["single"] if self.topology == "single" else ["prefill", "decode"]
+
+    def role_args(self, role: str) -> list[str]:
+        """The SGLang flags a role's servers get verbatim: [worker]'s, then the role's own."""
+        return [*self.worker.args, *(getattr(self, role).args if role in ("prefill", "decode") else ())]
+
+    def flag_value(self, role: str, *flags: str) -> str | None:
+        """The value of a flag in a role's verbatim args (the last one wins, as in argparse)."""
+        args, out = self.role_args(role), None
+        for i, a in enumerate(args):
+            for flag in flags:
+                if a == flag and i + 1 < len(args):
+                    out = args[i + 1]
+                elif a.startswith(flag + "="):
+                    out = a.split("=", 1)[1]
+        return out
+
+    def gpus_per_server(self, role: str) -> int:
+        if self.device != "cuda":
+            return 0
+        tp = int(self.flag_value(role, "--tp-size", "--tp") or 1)
+        pp = int(self.flag_value(role, "--pp-size", "--pp") or 1)
+        return tp * pp
+
+    def node(self, name: str) -> NodeConf:
+        if not self.nodes:
+            return NodeConf(LOCAL_NODE, self.host)
+        return next(n for n in self.nodes if n.name == name)
+
+    def placements(self) -> list[Placement]:
+        """Every process of the deployment, where it runs and listens. A single-host file (no
+        [[nodes]]) puts everything on `host` with ports picked at launch; a multi-node file gets
+        fixed ports (DEFAULT_PORTS unless set) and GPUs assigned per node in file order."""
+        multi = bool(self.nodes)
+        out: list[Placement] = []
+        next_gpu: dict[str, int] = {}
+
+        def node_of(conf) -> NodeConf:
+            return self.node(conf.node) if multi else self.node(LOCAL_NODE)
+
+        def fixed(value: int | None, kind: str, i: int = 0) -> int | None:
+            return None if not multi else (value if value is not None else DEFAULT_PORTS[kind]) + i
+
+        for role in self.server_roles():
+            conf = self.worker if role == "single" else getattr(self, role)
+            node = node_of(conf)
+            count = 1 if role == "single" else conf.count
+            port0 = conf.port if role != "single" or conf.port is not None else None
+            # Servers on one node take ports one after another: a second role on the same node
+            # starts after the first role's ports unless it sets its own.
+            taken = sum(1 for p in out if p.node == node.name)
+            for i in range(count):
+                gpus = self.gpus_per_server(role)
+                base = next_gpu.get(node.name, 0) if self.device == "cuda" else None
+                if self.device == "cuda":
+                    next_gpu[node.name] = base + gpus
+                out.append(
+                    Placement(
+                        name="server" if role == "single" else f"{role}-{i}",
+                        role=role,
+                        node=node.name,
+                        host=node.host,
+                        port=fixed(port0, "server", i if port0 is not None else taken + i),
+                        bootstrap_port=(
+                            fixed(conf.bootstrap_port, "bootstrap", i if conf.bootstrap_port is not None else taken + i)
+                            if role == "prefill"
+                            else None
+                        ),
+                        base_gpu_id=base,
+                        gpus=gpus,
+                    )
+                )
+        if self.topology == "pd":
+            node = node_of(self.router)
+            out.append(
+                Placement(
+                    "router",
+                    "router",
+                    node.name,
+                    node.host,
+                    port=fixed(self.router.port, "router"),
+                    metrics_port=fixed(self.router.metrics_port, "router_metrics"),
+                )
+            )
+        node = node_of(self.gateway)
+        bind = self.gateway.bind_address()
+        out.append(
+            Placement(
+                "gateway",
+                "gateway",
+                node.name,
+                bind[0] if bind else node.host,
+                port=bind[1] if bind else None,
+                operator_port=fixed(self.gateway.operator_port, "operator"),
+            )
+        )
+        return out
 
     def role_value(self, role: str, name: str):
         own = getattr(getattr(self, role), name) if role in ("prefill", "decode") else None
@@ -328,8 +570,12 @@ class Topology:
         out.update(self.env)
         return out
 
-    def server_argv(self, model_path: str, port: int, role: str, bootstrap_port: int | None = None) -> list[str]:
+    def server_argv(
+        self, model_path: str, port: int, role: str, bootstrap_port: int | None = None, place: Placement | None = None
+    ) -> list[str]:
+        """One server's command line; `place` (from placements()) puts it on its node's address and GPUs."""
         m = self.model
+        host = place.host if place is not None else self.host
         ctx, _ = self.admission_plan()
         argv = [
             sys.executable,
@@ -340,7 +586,7 @@ class Topology:
             "--served-model-name",
             m.served_model_name,
             "--host",
-            self.host,
+            host,
             "--port",
             str(port),
             "--context-length",
@@ -353,13 +599,15 @@ class Topology:
             argv += ["--num-reserved-decode-tokens", str(self.role_value(role, "decode_reserve"))]
         if m.dtype:
             argv += ["--dtype", m.dtype]
+        if place is not None and place.base_gpu_id is not None:
+            argv += ["--base-gpu-id", str(place.base_gpu_id)]
         # Every OpenAI stream ends with the worker's usage figures: the gateway counts each tenant's
         # tokens from them and takes the event out where the client did not ask (gateway/usage.py).
         argv += ["--stream-response-default-include-usage"]
         if m.path is not None:
             # A GLM-5.3 checkpoint: SGLang 0.5.23's GLM-5.x parsers, unless the topology names others.
             # (The chat template is the checkpoint's own; presets have no tool or thinking tokens.)
-            mine = {*self.worker.args, *(getattr(self, role).args if role in ("prefill", "decode") else ())}
+            mine = set(self.role_args(role))
             for flag, value in GLM53_PARSERS:
                 if flag not in mine:
                     argv += [flag, value]
@@ -379,9 +627,11 @@ class Topology:
                 "--disaggregation-bootstrap-port",
                 str(bootstrap_port),
             ]
+            argv += self._ib_args(place)
             argv += self.prefill.args
         elif role == "decode":
             argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", self.transfer_backend]
+            argv += self._ib_args(place)
             if self.device == "cpu":
                 argv += list(cpu.DECODE_ARGS)
             argv += self.decode.args
@@ -389,8 +639,17 @@ class Topology:
             raise ValueError(f"unknown role {role!r}")
         return argv
 
+    def _ib_args(self, place: Placement | None) -> list[str]:
+        ib = self.node(place.node).ib_devices if place is not None and self.nodes else []
+        return ["--disaggregation-ib-device", ",".join(ib)] if ib else []
+
     def router_argv(
-        self, port: int, prometheus_port: int, prefills: list[tuple[str, int]], decodes: list[str]
+        self,
+        port: int,
+        prometheus_port: int,
+        prefills: list[tuple[str, int]],
+        decodes: list[str],
+        host: str | None = None,
     ) -> list[str]:
         argv = [
             sys.executable,
@@ -398,14 +657,14 @@ class Topology:
             "sglang_router.launch_router",
             "--pd-disaggregation",
             "--host",
-            self.host,
+            host or self.host,
             "--port",
             str(port),
             "--policy",
             self.router.policy,
             # Its exporter binds 0.0.0.0:29000 by default; two routers on a host then collide.
             "--prometheus-host",
-            self.host,
+            host or self.host,
             "--prometheus-port",
             str(prometheus_port),
             "--max-payload-size",
@@ -428,7 +687,11 @@ class Topology:
         tenants_file: Path | None = None,
         operator_port: int | None = None,
         audit_log: Path | None = None,
+        host: str | None = None,
+        operator_host: str | None = None,
     ) -> list[str]:
+        """`host`:`port` is the client listener ([gateway] bind); the operator's listener binds
+        `operator_host`, the node's private address."""
         ctx, _ = self.admission_plan()
         return [
             sys.executable,
@@ -443,9 +706,14 @@ class Topology:
             "--context-length",
             str(ctx),
             "--host",
-            self.host,
+            host or self.host,
             "--port",
             str(port),
+            *(
+                []
+                if operator_host is None or operator_host == (host or self.host)
+                else ["--operator-host", operator_host]
+            ),
             "--max-body-bytes",
             str(self.gateway.max_body_bytes),
             "--upstream-timeout-s",
