@@ -99,7 +99,7 @@ BAD_NODES = [
     (THREE_NODES.replace('host = "10.0.0.12"', 'host = "0.0.0.0"'), "private address"),
     (THREE_NODES.replace('name = "front"', 'name = "Front_1"'), "not a name"),
     (THREE_NODES.replace('[decode]\nnode = "decode-a"', '[decode]\nnode = "prefill-a"\nport = 30001'), "both listen"),
-    (THREE_NODES.replace("[worker]\n", '[worker]\nargs = ["--host", "0.0.0.0"]\n', 1), "through the topology"),
+    (THREE_NODES.replace("[prefill]\n", '[prefill]\nargs = ["--host", "0.0.0.0"]\n'), "through the topology"),
     (THREE_NODES.replace('bind = "0.0.0.0:8080"', 'bind = "8080"'), "host:port"),
 ]
 
