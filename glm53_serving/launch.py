@@ -390,8 +390,9 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
 
     def child(p, argv: list[str], base: dict[str, str], extra: dict[str, str] | None = None) -> Child:
         node_host = topo.node(p.node).host
-        # The bootstrap server and the transfer engine advertise SGLANG_HOST_IP to peers, and
-        # Mooncake's TCP listeners bind MC_TCP_BIND_ADDRESS (unset: every interface).
+        # The bootstrap server advertises SGLANG_HOST_IP to peers, Mooncake's transfer engine
+        # MC_TCP_BIND_ADDRESS (unset: its first NIC's address; its listeners bind every address
+        # regardless, docs/deploy.md).
         env_ = {**base, "SGLANG_HOST_IP": node_host, "MC_TCP_BIND_ADDRESS": node_host, **(extra or {})}
         url = f"http://{_reachable(p.host, node_host)}:{p.port}"
         return Child(p.name, argv, env_, url, run_dir / f"{p.name}.log", node=p.node)
