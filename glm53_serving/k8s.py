@@ -419,6 +419,10 @@ def commands(topo: Topology, opts: argparse.Namespace, out: Path) -> str:
 def write(topo: Topology, opts: argparse.Namespace, objects: list[dict], out: Path) -> list[Path]:
     import yaml  # here, not at the top: the probes import this module in every pod every 10 s
 
+    class Plain(yaml.SafeDumper):  # no &anchors / *aliases: each object reads on its own
+        def ignore_aliases(self, data):
+            return True
+
     out.mkdir(parents=True, exist_ok=True)
     head = f"# Rendered from {topo.source} by python -m glm53_serving.launch --render k8s; do not edit.\n"
     files = {
@@ -429,7 +433,7 @@ def write(topo: Topology, opts: argparse.Namespace, objects: list[dict], out: Pa
     }
     written = []
     for name, docs in files.items():
-        (out / name).write_text(head + yaml.safe_dump_all(docs, sort_keys=False))
+        (out / name).write_text(head + yaml.dump_all(docs, Dumper=Plain, sort_keys=False))
         written.append(out / name)
     places = topo.placements()
     internal = sorted(
