@@ -17,7 +17,7 @@ What a platform engineer would check, and where it is held:
 - readiness is real readiness: a server is ready when /server_info, asked with the operator's
   assertion, reports the glm53_serving guards active (as the launcher's server_probe).
 
-`python -m glm53_serving.k8s probe {server,router,up} URL` is the pods' exec probe.
+The pods' exec probes are glm53_serving/pod_probe.py.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ import argparse
 import dataclasses
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
+import yaml
 
-from glm53_serving import __version__, env, tenants
+from glm53_serving import __version__
 from glm53_serving.topology import Topology
 
 SECRET_DIR = "/etc/glm53"  # the Secrets' mount: read-only, never the image's or the node's files
@@ -86,6 +85,10 @@ def meta(topo: Topology, name: str, namespace: str, **label_args) -> dict:
     return {"name": name, "namespace": namespace, "labels": labels(topo, **label_args)}
 
 
+def selector(topo: Topology, process: str) -> dict[str, str]:
+    return {PROCESS_LABEL: process, "app.kubernetes.io/instance": labels(topo)["app.kubernetes.io/instance"]}
+
+
 def pod_command(argv: list[str]) -> list[str]:
     """The launcher's argv as a pod runs it: the image's python, and no --base-gpu-id (inside the
     pod the device plugin's GPUs are numbered from 0, whatever their index on the node)."""
@@ -115,8 +118,8 @@ def probes(ready: list[str], live: list[str], startup_s: float) -> dict:
     }
 
 
-def probe_argv(kind: str, url: str, *extra: str) -> list[str]:
-    return ["python", "-m", "glm53_serving.k8s", "probe", kind, url, *extra]
+def probe_argv(kind: str, *args: str) -> list[str]:
+    return ["python", "-m", "glm53_serving.pod_probe", kind, *args]
 
 
 def _volumes(topo: Topology, opts: argparse.Namespace, secrets: list[tuple[str, str]], model: bool, shm: bool):
@@ -170,14 +173,13 @@ def workload(topo: Topology, opts: argparse.Namespace, child, role: str, contain
             }
         ],
     }
-    sel = {PROCESS_LABEL: name, "app.kubernetes.io/instance": labels(topo)["app.kubernetes.io/instance"]}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": meta(topo, name, opts.namespace, role=role, process=name),
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": sel},
+            "selector": {"matchLabels": selector(topo, name)},
             "template": {"metadata": {"labels": labels(topo, role, name)}, "spec": spec},
         },
     }
@@ -195,21 +197,28 @@ def _security(*caps: str) -> dict:
 HOST_NETWORK = {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
 
 
-def server(topo: Topology, opts: argparse.Namespace, child, gpus: int) -> dict:
+def server(topo: Topology, opts: argparse.Namespace, child, role: str, gpus: int) -> dict:
     vols, mounts = _volumes(topo, opts, [(KEY_SECRET, "assertion.key")], model=True, shm=True)
     limits = {"nvidia.com/gpu": gpus}
     if topo.node(child.node).ib_devices and opts.rdma_resource:
         limits[opts.rdma_resource] = 1
     # IPC_LOCK: Mooncake registers (pins) the KV cache's memory with the RDMA NICs; the capability
     # lifts the memlock limit a container otherwise has. Every other capability is dropped.
-    pd = child.argv.count("--disaggregation-mode") > 0
     container = {
         "resources": {"requests": dict(limits), "limits": limits},
         "volumeMounts": mounts,
-        "securityContext": _security(*(["IPC_LOCK"] if pd else [])),
+        "securityContext": _security(*(["IPC_LOCK"] if role in ("prefill", "decode") else [])),
+        # Liveness asks the same question as readiness, less often and with more patience: the
+        # guards cannot switch off at run time, so a failure there means the server stopped answering.
         **probes(probe_argv("server", child.url), probe_argv("server", child.url), STARTUP_WINDOW_S),
     }
-    return workload(topo, opts, child, child.name.split("-")[0], container, {**HOST_NETWORK, "volumes": vols})
+    pod = {
+        **HOST_NETWORK,
+        "volumes": vols,
+        # GPU node pools are commonly tainted for GPU workloads only; the nodeSelector still decides.
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    return workload(topo, opts, child, role, container, pod)
 
 
 def router(topo: Topology, opts: argparse.Namespace, child, servers: list) -> dict:
@@ -221,7 +230,7 @@ def router(topo: Topology, opts: argparse.Namespace, child, servers: list) -> di
     wait = {
         "name": "wait-for-servers",
         "image": opts.image,
-        "command": ["python", "-m", "glm53_serving.k8s", "probe", "up", *(s.url for s in servers), "--wait"],
+        "command": probe_argv("up", *(s.url for s in servers), "--wait"),
         "securityContext": _security(),
     }
     container = {
@@ -246,8 +255,12 @@ def gateway(topo: Topology, opts: argparse.Namespace, child, client_port: int, o
     vols, mounts = _volumes(topo, opts, secrets, model=True, shm=False)
     argv = list(child.argv)
     argv[argv.index("--host") + 1] = "0.0.0.0"
-    if "--operator-host" in argv:  # the node's address is not the pod's: its own IP, via the downward API
+    # The operator's listener on the pod's own address (the node's is not the pod's), via the
+    # downward API; reached through the ClusterIP Service only.
+    if "--operator-host" in argv:
         argv[argv.index("--operator-host") + 1] = "$(POD_IP)"
+    else:
+        argv[argv.index("--port") + 2 : argv.index("--port") + 2] = ["--operator-host", "$(POD_IP)"]
     child = dataclasses.replace(child, argv=argv)
     health = {"httpGet": {"path": "/health", "port": "client"}}
     container = {
@@ -273,7 +286,7 @@ def services(topo: Topology, opts: argparse.Namespace, client_port: int, operato
     """The public door and the operator's: nothing else gets a Service. Workers and the router are
     reached on their nodes' private addresses, as the commands say; a Service in front of a
     hostNetwork pod would add no protection, only one more way in to audit."""
-    sel = {PROCESS_LABEL: "gateway", "app.kubernetes.io/instance": labels(topo)["app.kubernetes.io/instance"]}
+    sel = selector(topo, "gateway")
     public = {
         "type": opts.service_type,
         "selector": sel,
@@ -307,7 +320,6 @@ def network_policies(topo: Topology, opts: argparse.Namespace, client_port: int,
     (add your Prometheus' namespace), nothing else to any pod-network pod. hostNetwork pods (the
     servers, the router) are NOT selected by NetworkPolicy in common CNIs: the node's firewall and
     their private bind addresses are what keep them off the outside (docs/deploy-k8s.md)."""
-    inst = labels(topo)["app.kubernetes.io/instance"]
     deny = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -319,7 +331,7 @@ def network_policies(topo: Topology, opts: argparse.Namespace, client_port: int,
         "kind": "NetworkPolicy",
         "metadata": meta(topo, "gateway-ingress", opts.namespace, role="gateway"),
         "spec": {
-            "podSelector": {"matchLabels": {PROCESS_LABEL: "gateway", "app.kubernetes.io/instance": inst}},
+            "podSelector": {"matchLabels": selector(topo, "gateway")},
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"ports": [{"port": client_port, "protocol": "TCP"}]},
@@ -363,9 +375,16 @@ def manifests(topo: Topology, opts: argparse.Namespace, plan: Callable, tenancy:
     p = plan(topo, topo.model.path, Path(RUN_DIR), keys)
     places = {pl.name: pl for pl in topo.placements()}
     g = places["gateway"]
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": opts.namespace, "labels": labels(topo)}}
+    # Pod Security: hostNetwork and IPC_LOCK are outside the "baseline" level, so the namespace is
+    # "privileged" (nothing rendered runs privileged: every other capability is dropped).
+    psa = {"pod-security.kubernetes.io/enforce": "privileged"}
+    namespace = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": opts.namespace, "labels": {**labels(topo), **psa}},
+    }
     out = [namespace]
-    out += [server(topo, opts, c, places[c.name].gpus) for c in p.servers]
+    out += [server(topo, opts, c, places[c.name].role, places[c.name].gpus) for c in p.servers]
     if p.router is not None:
         out.append(router(topo, opts, p.router, p.servers))
     out.append(gateway(topo, opts, p.gateway, g.port, g.operator_port))
@@ -417,8 +436,6 @@ def commands(topo: Topology, opts: argparse.Namespace, out: Path) -> str:
 
 
 def write(topo: Topology, opts: argparse.Namespace, objects: list[dict], out: Path) -> list[Path]:
-    import yaml  # here, not at the top: the probes import this module in every pod every 10 s
-
     class Plain(yaml.SafeDumper):  # no &anchors / *aliases: each object reads on its own
         def ignore_aliases(self, data):
             return True
@@ -483,66 +500,3 @@ def render_main(topo: Topology, args: argparse.Namespace, plan: Callable, tenanc
     files = write(topo, args, objects, out)
     print(f"wrote {', '.join(str(f) for f in files)}\nthen:\n{commands(topo, args, out)}")
     return 0
-
-
-# --- the pods' probes ---------------------------------------------------------------------------
-
-
-def probe_server(url: str, client: httpx.Client) -> str | None:
-    """None when ready; otherwise why not. Like launch.server_probe: /server_info, asked with the
-    operator's assertion minted from the mounted key, reports the guards and the tenants mode."""
-    auth = tenants.mint(tenants.load_assertion_key(), tenants.ADMIN, deployment=env.DEPLOYMENT.get())
-    r = client.get(f"{url}/server_info", headers={"Authorization": f"Bearer {auth}"})
-    if r.status_code != 200:
-        return f"/server_info {r.status_code}"
-    status = r.json().get("glm53_serving")
-    if status is None:
-        return "/server_info has no glm53_serving status: the plugin did not load; refusing"
-    want = "off" if env.TENANTS.get() == "off" else "enforced"
-    if status.get("active") and status.get("tenants") != want:
-        return f"tenants {status.get('tenants')!r} on the server, {want!r} in the deployment"
-    if not status.get("active"):  # explicitly switched off (GLM53_SERVING_DISABLE): announced, not hidden
-        print(f"WARNING: glm53_serving guards DISABLED ({status.get('disabled_by')})", file=sys.stderr)
-    return None
-
-
-def probe_router(url: str, client: httpx.Client, workers: int) -> str | None:
-    r = client.get(f"{url}/workers")  # /health answers before the workers are registered
-    total = r.json().get("total", 0) if r.status_code == 200 else -1
-    return None if total >= workers else f"/workers {r.status_code}, {total}/{workers} workers"
-
-
-def probe_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m glm53_serving.k8s probe")
-    p.add_argument("kind", choices=("server", "router", "up"))
-    p.add_argument("urls", nargs="+")
-    p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--wait", action="store_true", help="retry until every URL passes (an initContainer)")
-    a = p.parse_args(argv)
-    with httpx.Client(timeout=8) as client:
-        while True:
-            why = []
-            for url in a.urls:
-                try:
-                    if a.kind == "server":
-                        why.append(probe_server(url, client))
-                    elif a.kind == "router":
-                        why.append(probe_router(url, client, a.workers))
-                    else:
-                        client.get(url)  # any HTTP answer: SGLang opens its port once the weights are in
-                        why.append(None)
-                except (httpx.HTTPError, ValueError) as e:  # ValueError: no key, or not JSON
-                    why.append(f"{type(e).__name__}: {e}")
-            failed = [f"{u}: {w}" for u, w in zip(a.urls, why) if w]
-            if not failed:
-                return 0
-            print("; ".join(failed), file=sys.stderr, flush=True)
-            if not a.wait:
-                return 1
-            time.sleep(PROBE_PERIOD_S)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["probe"]:
-        sys.exit("usage: python -m glm53_serving.k8s probe {server,router,up} URL...")
-    sys.exit(probe_main(sys.argv[2:]))

@@ -8,11 +8,12 @@ import socket
 from pathlib import Path
 
 import httpx
+import jwt
 import kubernetes_validate
 import pytest
 import yaml
 
-from glm53_serving import k8s, launch, tenants
+from glm53_serving import k8s, launch, pod_probe, tenants
 from glm53_serving.topology import Topology
 from tests.unit.test_nodes import THREE_NODES
 
@@ -220,25 +221,47 @@ def test_render_prints_where_it_wrote_and_how_to_apply(tmp_path, capsys):
     assert "kubectl apply -f" in printed
 
 
-def _serve(status: dict | None, code: int = 200):
+def _serve(key: bytes, answer: dict, code: int = 200) -> httpx.Client:
     def handler(request: httpx.Request) -> httpx.Response:
-        assert request.headers["authorization"].startswith("Bearer ")
-        return httpx.Response(code, json={} if status is None else {"glm53_serving": status})
+        if request.url.path == "/server_info":  # the operator's, for deployment "nodes" (THREE_NODES)
+            try:
+                claims = jwt.decode(
+                    tenants.bearer(request.headers.get("authorization")) or "",
+                    key,
+                    algorithms=["HS256"],
+                    audience=tenants.audience("nodes"),
+                )
+            except jwt.PyJWTError:
+                return httpx.Response(401, json={})
+            if claims["sub"] != tenants.ADMIN:
+                return httpx.Response(401, json={})
+        return httpx.Response(code, json=answer)
 
     return httpx.Client(transport=httpx.MockTransport(handler))
 
 
 @pytest.mark.parametrize(
-    "status, code, ready",
+    "answer, code, ready",
     [
-        ({"active": True, "tenants": "enforced"}, 200, True),
-        (None, 200, False),  # the plugin did not load
-        ({"active": True, "tenants": "off"}, 200, False),
-        ({"active": True, "tenants": "enforced"}, 401, False),
+        ({"glm53_serving": {"active": True, "tenants": "enforced"}}, 200, True),
+        ({}, 200, False),  # the plugin did not load
+        ({"glm53_serving": {"active": True, "tenants": "off"}}, 200, False),
+        ({"glm53_serving": {"active": True, "tenants": "enforced"}}, 503, False),
     ],
 )
-def test_the_server_probe_is_ready_only_with_the_guards_in_force(tmp_path, monkeypatch, status, code, ready):
-    tenants.new_assertion_key(tmp_path / "k")
-    monkeypatch.setenv(tenants.KEY_FILE_ENV, str(tmp_path / "k"))
+def test_the_server_probe_is_ready_only_with_the_guards_in_force(tmp_path, monkeypatch, answer, code, ready):
+    key = tenants.load_assertion_key(tenants.new_assertion_key(tmp_path / "k"))
+    monkeypatch.setenv(tenants.KEY_FILE_ENV, str(tmp_path / "k"))  # as the pod's env names its mount
+    monkeypatch.setenv("GLM53_DEPLOYMENT", "nodes")
     monkeypatch.delenv("GLM53_TENANTS", raising=False)
-    assert (k8s.probe_server("http://10.0.0.11:30000", _serve(status, code)) is None) is ready
+    why = pod_probe.check("server", "http://10.0.0.11:30000", _serve(key, answer, code), 0)
+    assert (why is None) is ready, why
+    # Without the operator's assertion for this deployment, never ready.
+    monkeypatch.setenv("GLM53_DEPLOYMENT", "another")
+    assert pod_probe.check("server", "http://10.0.0.11:30000", _serve(key, answer, code), 0) is not None
+
+
+def test_the_router_probe_waits_for_every_worker(tmp_path):
+    client = _serve(b"", {"total": 2})
+    assert pod_probe.check("router", "http://10.0.0.10:8000", client, 3) is not None
+    assert pod_probe.check("router", "http://10.0.0.10:8000", client, 2) is None
