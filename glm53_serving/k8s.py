@@ -443,14 +443,18 @@ def write(topo: Topology, opts: argparse.Namespace, objects: list[dict], out: Pa
     out.mkdir(parents=True, exist_ok=True)
     head = f"# Rendered from {topo.source} by python -m glm53_serving.launch --render k8s; do not edit.\n"
     files = {
-        "namespace.yaml": objects[:1],
-        "deployment.yaml": objects[1:],
+        "namespace.yaml": ("", objects[:1]),
+        "deployment.yaml": ("", objects[1:]),
         # Not *.yaml: `kubectl apply -f DIR` skips it, so no apply ever blanks the real Secrets.
-        "secrets.yaml.example": secret_templates(topo, opts),
+        "secrets.yaml.example": (
+            "# The Secrets the pods mount, WITHOUT data, and not applied: create them from your files with the\n"
+            "# commands in README.md (annotation glm53-serving/create-with), or hand these to your secret manager.\n",
+            secret_templates(topo, opts),
+        ),
     }
     written = []
-    for name, docs in files.items():
-        (out / name).write_text(head + yaml.dump_all(docs, Dumper=Plain, sort_keys=False))
+    for name, (note, docs) in files.items():
+        (out / name).write_text(head + note + yaml.dump_all(docs, Dumper=Plain, sort_keys=False))
         written.append(out / name)
     places = topo.placements()
     internal = sorted(
