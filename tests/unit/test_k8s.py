@@ -196,9 +196,9 @@ def test_each_containers_command_is_the_launchers_dry_run_command(rendered, caps
 
 
 REFUSED = [
-    (
-        'topology = "pd"\ndevice = "cpu"\n[model]\npreset = "glm53-tiny"\ncontext_length = 512\n'
-        "[worker]\nkv_tokens = 2048\n",
+    (  # a GPU file on one host: nothing to pin to a node
+        'topology = "pd"\ndevice = "cuda"\n[model]\npath = "/models/GLM-5.3"\ncontext_length = 4096\n'
+        "[worker]\nkv_tokens = 8192\n",
         "names no \\[\\[nodes\\]\\]",
     ),
     (THREE_NODES.replace('device = "cuda"', 'device = "cpu"'), 'device = "cpu"'),
