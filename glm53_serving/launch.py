@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from glm53_serving import env, tenants
+from glm53_serving import env, k8s, tenants
 from glm53_serving.topology import LOCAL_NODE, Topology, default_config_path, free_port, shell_line
 
 LOG_TAIL_LINES = 60
@@ -579,6 +579,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a multi-node file ([[nodes]]): start only this node's processes (one launcher per node)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the commands it would run, start nothing")
+    k8s.add_arguments(p)  # --render k8s, --out, ...
     return p.parse_args(argv)
 
 
@@ -587,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo = Topology.load(args.config or default_config_path(), args.topology)
         topo.admission_plan()  # the start-up lint: refuse before starting anything
+        if args.render:  # manifests for the topology instead of processes
+            return k8s.render_main(topo, args, plan, Tenancy)
         nodes = [n.name for n in topo.nodes]
         if args.node is not None and args.node not in nodes:
             raise ValueError(f"--node {args.node}: the file's nodes are {nodes or 'none (it is single-host)'}")
