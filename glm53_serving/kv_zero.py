@@ -100,6 +100,18 @@ def zero_slots(pool, slots: torch.Tensor) -> None:
     rows are filled as 8-byte words where they can be."""
     if slots.numel() == 0:
         return
+    n = int(slots.numel())
+    page = getattr(pool, "page_size", 1)
+    if page > 1 and slots.device.type == "cpu" and n >= page:
+        # Paged pools (DSA: 64 tokens): the pages an allocation covers whole are zeroed as page
+        # rows, each one contiguous run of page x row bytes (memset speed, where a slot-indexed
+        # fill moves one 1 KiB row at a time); the slots of partly covered pages as below.
+        full, slots = _split_full_pages(slots, page)
+        if full.numel():
+            _zero_pages(pool, full, page)
+        if slots.numel() == 0:
+            ZEROED.inc(n)
+            return
     # Finding runs costs a sort and a host copy: worth it for prefill-sized allocations only (and
     # never on a GPU, where it would sync); a decode step's few slots take the indexed fill.
     runs = _runs(slots) if slots.device.type == "cpu" and slots.numel() > SMALL_ALLOC else None
@@ -111,7 +123,65 @@ def zero_slots(pool, slots: torch.Tensor) -> None:
             rows.index_fill_(dim, slots, 0)
     if type(pool).__name__ == "DSATokenToKVPool":
         _zero_indexer(pool, slots)
-    ZEROED.inc(int(slots.numel()))
+    ZEROED.inc(n)
+
+
+def _split_full_pages(slots: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages `slots` covers whole, the slots of the other pages). An allocation's slots are
+    distinct (a slot handed out twice would itself be the leak), so a page counted `page` times
+    is covered whole: no slot of it holds anything of another request."""
+    pages = slots // page
+    uniq, counts = torch.unique(pages, return_counts=True)
+    full = uniq[counts == page]
+    if full.numel() == uniq.numel():
+        return full, slots[:0]
+    if full.numel() == 0:
+        return full, slots
+    return full, slots[~torch.isin(pages, full)]
+
+
+# Whole pages in at most this many runs of adjacent pages are zeroed run by run (a latent page
+# run is >= 64 x 1,152 B per layer: one memset each beats an indexed fill, 0.60x vs 0.41x of
+# memset for 64 scattered pages on this CPU); an index-K page row is only 8,448 B, so past a few
+# runs its indexed fill (as 8-byte words) is the faster (0.19x vs 0.11x).
+MAX_PAGE_RUNS = 1024
+MAX_INDEX_RUNS = 8
+
+
+def _zero_pages(pool, pages: torch.Tensor, page: int) -> None:
+    """Zero whole pages in every layer buffer (rows page*i .. page*i+page-1) and, for DSA, the
+    pages' indexer rows, adjacent pages coalesced into one run."""
+    runs = _page_runs(pages)
+    for rows, dim in _fill_targets(pool):
+        if dim != 0 or rows.shape[0] % page:  # not laid out as whole pages: per-slot fill
+            slots = (pages[:, None] * page + torch.arange(page)).flatten()
+            rows.index_fill_(dim, slots, 0)
+            continue
+        by_page = rows.view(rows.shape[0] // page, -1)
+        _zero_rows(by_page, pages, runs)
+    if type(pool).__name__ == "DSATokenToKVPool":
+        index_runs = runs if runs is not None and len(runs) <= MAX_INDEX_RUNS else None
+        for buf in pool.index_key_cache.buffer:
+            if buf.shape[0]:  # one row per page: its keys, then its scales (_zero_indexer)
+                _zero_rows(_as_words(buf), pages, index_runs)
+
+
+def _zero_rows(rows: torch.Tensor, ids: torch.Tensor, runs: list[tuple[int, int]] | None) -> None:
+    if runs is None:
+        rows.index_fill_(0, ids, 0)
+    else:
+        for start, stop in runs:
+            rows.narrow(0, start, stop - start).zero_()
+
+
+def _page_runs(pages: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Adjacent pages as [start, stop) runs (`pages` sorted and distinct: torch.unique's); None
+    when there are more than MAX_PAGE_RUNS (one indexed fill of page rows is then cheaper)."""
+    cuts = torch.nonzero(pages[1:] != pages[:-1] + 1).flatten() + 1
+    if cuts.numel() >= MAX_PAGE_RUNS:
+        return None
+    bounds = [0, *cuts.tolist(), pages.numel()]
+    return [(int(pages[a]), int(pages[b - 1]) + 1) for a, b in zip(bounds, bounds[1:])]
 
 
 def _zero_indexer(pool, slots: torch.Tensor) -> None:

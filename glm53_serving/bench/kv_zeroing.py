@@ -1,6 +1,7 @@
 """Cost of the KV guard against upstream, in one run, on this machine's real SGLang pools.
 
     python -m glm53_serving.bench.kv_zeroing [--layers 16] [--slots 65536] [--alloc 4096]
+    python -m glm53_serving.bench.kv_zeroing --dsa [--layers 8]     # GLM-5.3's paged DSA pool
 
 Prints (1) zeroing bandwidth of kv_zero's batched fill vs. torch.zero_ on a contiguous buffer of
 the same byte size (the memset limit), (2) allocator operations per second upstream, with
@@ -42,8 +43,11 @@ def main(argv=None) -> None:
     p.add_argument("--slots", type=int, default=65536)
     p.add_argument("--alloc", type=int, default=4096, help="slots per prefill-sized allocation")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dsa", action="store_true", help="GLM-5.3's DSA pool (64-token pages, latent + index-K)")
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)
+    if a.dsa:
+        return dsa_pages(a, dtype)
 
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -116,6 +120,78 @@ def main(argv=None) -> None:
         )
         alloc.free(got)
         kv_owner.reset_after_free(None, alloc, got)
+
+
+def dsa_pages(a, dtype) -> None:
+    """Zeroing whole 64-token pages of SGLang's DSATokenToKVPool with GLM-5.3's row sizes (MLA
+    latent 512 + rope 64 per token per layer; index-K 128 fp8 bytes + a 4-byte scale per token)
+    against torch.zero_ of the same bytes, page by page (kv_zero._zero_pages: adjacent pages as one
+    run) and slot by slot (the indexed fill used for partly covered pages)."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    page = 64
+    pool = DSATokenToKVPool(
+        size=a.slots,
+        page_size=page,
+        kv_lora_rank=512,
+        dtype=dtype,
+        qk_rope_head_dim=64,
+        layer_num=a.layers,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=576,
+        index_buf_size=a.slots,
+    )
+    latent = [rows for rows, _ in kv_zero._fill_targets(pool)]
+    index = [b for b in pool.index_key_cache.buffer if b.shape[0]]
+    for b in (*latent, *index):
+        b.fill_(1)  # touched: no page faults in the timings
+    n_pages = a.alloc // page
+    latent_bytes = sum(r[0].numel() * r.element_size() for r in latent) * n_pages * page
+    index_bytes = sum(b[0].numel() for b in index) * n_pages
+    print(
+        f"DSA pool: {a.layers} layers, page {page}, {a.slots} slots; an allocation of {n_pages} pages: "
+        f"latent {latent_bytes / 2**20:.1f} MiB + index-K {index_bytes / 2**20:.2f} MiB; torch threads "
+        f"{torch.get_num_threads()}"
+    )
+    flat = torch.zeros(latent_bytes + index_bytes, dtype=torch.uint8)
+
+    def memset(nbytes):
+        part = flat[:nbytes]
+        return best_of(part.zero_, 5, 5)
+
+    total_pages = a.slots // page
+    cases = {
+        "adjacent pages (fresh free list)": torch.arange(1, n_pages + 1),
+        "scattered pages (after churn)": (torch.randperm(total_pages - 1)[:n_pages] + 1).sort().values,
+    }
+    for label, pages in cases.items():
+        slots = (pages[:, None] * page + torch.arange(page)).flatten()
+        runs = kv_zero._page_runs(pages)
+        t_all = best_of(lambda: kv_zero.zero_slots(pool, slots), 5, 5)
+
+        def latent_only(pages=pages, runs=runs):
+            for rows in latent:
+                kv_zero._zero_rows(rows.view(rows.shape[0] // page, -1), pages, runs)
+
+        def index_only(pages=pages, runs=runs):
+            few = runs if runs is not None and len(runs) <= kv_zero.MAX_INDEX_RUNS else None
+            for b in index:
+                kv_zero._zero_rows(kv_zero._as_words(b), pages, few)
+
+        def slot_by_slot(slots=slots):
+            for rows in latent:
+                rows.index_fill_(0, slots, 0)
+            kv_zero._zero_indexer(pool, slots)
+
+        t_lat, t_idx, t_slot = (best_of(f, 5, 5) for f in (latent_only, index_only, slot_by_slot))
+        m_all, m_lat, m_idx = memset(latent_bytes + index_bytes), memset(latent_bytes), memset(index_bytes)
+        print(
+            f"{label}: zero_slots {m_all / t_all:.2f}x of memset ({(latent_bytes + index_bytes) / t_all / 1e9:.2f} "
+            f"GB/s); latent pages {m_lat / t_lat:.2f}x, index-K pages {m_idx / t_idx:.2f}x; slot by slot "
+            f"{m_all / t_slot:.2f}x (page zeroing {t_slot / t_all:.1f}x faster)"
+        )
 
 
 if __name__ == "__main__":

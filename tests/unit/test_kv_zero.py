@@ -188,3 +188,23 @@ def test_dsa_indexer_layouts_other_than_the_plain_one_are_refused():
     pool.index_kpool = 2  # pooled index keys: rows regroup tokens, slot -> byte offset differs
     (msg,) = kv_zero.allocator_problems(alloc)
     assert "index_kpool 2" in msg and "refused" in msg
+
+
+def test_dsa_pages_covered_whole_are_zeroed_as_pages_and_partial_pages_slot_by_slot(monkeypatch):
+    """Pages 1 and 3 whole (as one run each: memset speed), two slots of page 2: exactly these
+    slots lose their bytes, in the latent and in the index-K keys and scales; page 2's other 62
+    slots (another request's tokens, in a real pool) keep theirs."""
+    pool, _ = make(DSA_PAGE, dsa=True)
+    for t, _ in slot_views(pool, torch.arange(0)):
+        t.fill_(1)
+    as_pages = []
+    real = kv_zero._zero_pages
+    monkeypatch.setattr(
+        kv_zero, "_zero_pages", lambda p, pages, size: as_pages.append(pages.tolist()) or real(p, pages, size)
+    )
+    slots = torch.cat([torch.arange(192, 256), torch.tensor([130, 131]), torch.arange(64, 128)])
+    kv_zero.zero_slots(pool, slots)
+    assert as_pages == [[1, 3]]
+    for t, idx in slot_views(pool, slots):
+        assert torch.count_nonzero(t[idx]) == 0
+        assert t.numel() - torch.count_nonzero(t) == t[idx].numel()  # nothing else was touched
