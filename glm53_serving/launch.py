@@ -34,6 +34,7 @@ import httpx
 import psutil
 
 from glm53_serving import env, tenants
+from glm53_serving import plan as capacity_plan
 from glm53_serving.topology import LOCAL_NODE, Topology, default_config_path, free_port, shell_line
 
 LOG_TAIL_LINES = 60
@@ -585,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo = Topology.load(args.config or default_config_path(), args.topology)
         topo.admission_plan()  # the start-up lint: refuse before starting anything
+        # A CUDA role whose kv_tokens its GPUs cannot back (SGLang would shrink the pool with a
+        # warning); a dry run may leave the GPU unnamed.
+        capacity_plan.check(topo, require_memory=not args.dry_run)
         nodes = [n.name for n in topo.nodes]
         if args.node is not None and args.node not in nodes:
             raise ValueError(f"--node {args.node}: the file's nodes are {nodes or 'none (it is single-host)'}")

@@ -35,6 +35,7 @@ GiB = 1 << 30
 # NVLS at TP8 takes ~1-2 GiB more. 3 GiB is the upper end: the planner must not promise a pool a
 # server cannot allocate (SGLang would then shrink it with only a warning).
 CUDA_CONTEXT_NCCL_BYTES = 3 * GiB
+NODE_GPUS = 8  # an HGX H100/H200 node
 MAX_FRACTION = 0.95  # above this, activations and CUDA graphs have no room (memory_hook.py:281-325)
 
 
@@ -414,7 +415,7 @@ def plan_role(topo: Topology, role: str, shape: Shape, gpu: Gpu | None) -> RoleP
     out.verdict = "REFUSED"
     out.why = (
         f"kv_tokens {out.kv_tokens:,} > the {out.capacity:,} tokens SGLang can allocate "
-        f"(SGLang would silently cap the pool at {out.capacity:,})"
+        f"(SGLang would cap the pool there with only a warning, kv_cache_configurator.py:3090-3104)"
     )
     out.fixes = _fixes(topo, role, shape, gpu, out, tp, pp, attn_tp, raw, draft, page)
     return out
@@ -437,7 +438,13 @@ def _fixes(topo, role, shape, gpu, out: RolePlan, tp, pp, attn_tp, raw, draft, p
                 w = w * shape.checkpoint_bytes // weight_bytes(shape)[0]
             cap = _capacity(gpu.memory_bytes, out.fraction, w // pp, cell.total, page)
             if cap >= out.kv_tokens:
-                fixes.append(f"--tp-size {more} ({more * pp} GPUs a server) with {label} KV: {cap:,} tokens")
+                spans = (
+                    f" (more than one {NODE_GPUS}-GPU node: a server spanning nodes, --nnodes, is refused by "
+                    "server_flags.py)"
+                    if more * pp > NODE_GPUS
+                    else ""
+                )
+                fixes.append(f"--tp-size {more} ({more * pp} GPUs a server) with {label} KV: {cap:,} tokens{spans}")
                 break
         else:
             continue
@@ -492,7 +499,9 @@ def check(topo: Topology, require_memory: bool = True) -> Plan:
 
 
 def _gb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.1f} GB"
+    if n is None:
+        return "-"
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def render(p: Plan) -> str:
@@ -518,7 +527,8 @@ def render(p: Plan) -> str:
         if r.capacity is not None:
             rest = f"; {r.attn_dp} attention-DP ranks: {r.attn_dp * r.capacity:,} a server" if r.attn_dp > 1 else ""
             lines.append(
-                f"  {r.role}: {_gb(r.gpu_bytes)} a GPU x {r.fraction} - weights -> {r.capacity:,} tokens a rank{rest}"
+                f"  {r.role}: ({_gb(r.gpu_bytes)} a GPU - {_gb(CUDA_CONTEXT_NCCL_BYTES)} CUDA/NCCL) x {r.fraction} "
+                f"- {_gb(r.weights_per_gpu)} weights = {r.capacity:,} tokens a rank{rest}"
             )
         if r.why:
             lines.append(f"  {r.role}: {r.why}")
