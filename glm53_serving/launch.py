@@ -586,14 +586,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo = Topology.load(args.config or default_config_path(), args.topology)
         topo.admission_plan()  # the start-up lint: refuse before starting anything
-        # A CUDA role whose kv_tokens its GPUs cannot back (SGLang would shrink the pool with a
-        # warning); a dry run may leave the GPU unnamed.
-        capacity_plan.check(topo, require_memory=not args.dry_run)
         nodes = [n.name for n in topo.nodes]
         if args.node is not None and args.node not in nodes:
             raise ValueError(f"--node {args.node}: the file's nodes are {nodes or 'none (it is single-host)'}")
         if nodes and args.node is None and not args.dry_run:
             raise ValueError(f"this file places processes on nodes {nodes}: start each with --node NAME")
+        # A CUDA role whose kv_tokens its GPUs cannot back (SGLang would shrink the pool with a
+        # warning); a dry run may leave the GPU unnamed.
+        capacity_plan.check(topo, require_memory=not args.dry_run)
     except (OSError, ValueError) as e:
         say(f"bad topology: {e}")
         return 2
