@@ -489,7 +489,7 @@ def check(topo: Topology, require_memory: bool = True) -> Plan:
     bad = [r for r in p.roles if r.verdict == "REFUSED" or (require_memory and r.verdict == "UNCHECKED")]
     if bad:
         raise ValueError(
-            "; ".join(f"[{r.role}] {r.verdict}: {r.why}" + "".join(f"\n  fix: {f}" for f in r.fixes) for r in bad)
+            "\n".join(f"[{r.role}] {r.verdict}: {r.why}" + "".join(f"\n  fix: {f}" for f in r.fixes) for r in bad)
             + "\n(python -m glm53_serving.plan --config FILE prints the whole plan)"
         )
     return p
