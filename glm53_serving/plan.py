@@ -259,7 +259,7 @@ def _layer_weights(s: Shape, moe: bool, w: str, plain: str) -> tuple[int, int, i
         replicated += (q_rank + kv_rank) * DTYPE_BYTES[plain]
         if s.dsa:
             ih, ihd = s["index_n_heads"], s["index_head_dim"]
-            replicated += _linear(ih * ihd, q_in, w) + _linear(ihd, h, w) + ih * h * 2 + 2 * ihd * 4
+            replicated += _linear(ih * ihd, q_in, w) + _linear(ihd, h, w) + (ih * h + 2 * ihd) * DTYPE_BYTES[plain]
         split_attn = _linear(heads * (nope + rope), q_in, w) + _linear(heads * (nope + v), kv_rank, w)
         split_attn += _linear(h, heads * v, w)
     else:

@@ -328,3 +328,29 @@ def test_the_pd_layouts_dry_run_prints_stable_per_node_commands(tmp_path, capsys
     assert "--max-total-tokens 450048" in out["decode-0"] and "--base-gpu-id 0" in out["decode-0"]
     assert "sglang.launch_server" not in out["front"] and "--host 0.0.0.0 --port 8080" in out["front"]
     assert "--prefill http://10.0.0.11:30000 8998 --decode http://10.0.0.12:30000" in out["front"]
+
+
+@pytest.mark.parametrize("preset", [tiny, dsa_tiny], ids=["glm53-tiny", "glm53-dsa-tiny"])
+def test_the_weights_counted_from_the_shape_are_the_bytes_of_the_generated_checkpoint(preset):
+    """Every tensor of the presets' real checkpoints (MLA, indexer, dense and MoE layers, router,
+    embeddings) is counted once with its dtype: the file's bytes, to the byte (fp32, unquantized)."""
+    import math
+
+    from safetensors import safe_open
+
+    path = preset.ensure()
+    on_disk = 0
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            on_disk += sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())
+    total, per_gpu = plan.weight_bytes(plan.Shape(dict(preset.CONFIG), preset.__name__))
+    assert total == per_gpu == on_disk
+
+
+def test_glm53_weights_per_gpu_on_tp8():
+    """GLM-5.3 FP8 (128x128 block scales; embeddings, norms, router in bf16): ~744 B parameters,
+    ~95 GB a GPU at TP8 (the fused q_a/kv_a projections and the indexer are replicated)."""
+    total, per_gpu = plan.weight_bytes(GLM53, tp=8, attn_tp=8)
+    assert 745e9 < total < 770e9 and 94e9 < per_gpu < 97e9
+    _, dp8 = plan.weight_bytes(GLM53, tp=8, attn_tp=1)  # attention DP 8: every GPU holds all of attention
+    assert dp8 - per_gpu > 10e9
