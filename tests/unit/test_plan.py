@@ -354,3 +354,39 @@ def test_glm53_weights_per_gpu_on_tp8():
     assert 745e9 < total < 770e9 and 94e9 < per_gpu < 97e9
     _, dp8 = plan.weight_bytes(GLM53, tp=8, attn_tp=1)  # attention DP 8: every GPU holds all of attention
     assert dp8 - per_gpu > 10e9
+
+
+def test_a_checkpoint_on_disk_is_read_its_config_and_its_index_total_size(tmp_path, capsys):
+    """[model] path on this machine: its config.json is the shape and the safetensors index's
+    metadata.total_size the weights (split over the GPUs as the shape says)."""
+    import json
+
+    ckpt = tmp_path / "GLM-5.3"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({**plan.GLM53_CONFIG, "num_hidden_layers": 78}))
+    computed, per_gpu = plan.weight_bytes(GLM53, tp=8, attn_tp=8)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": computed + 8 * 10**9}}))
+    p = write(tmp_path, 202_752, 450_048, 450_048, ', "--kv-cache-dtype", "fp8_e4m3"')
+    p.write_text(p.read_text().replace("/nonexistent/GLM-5.3", str(ckpt)))
+    result = plan.plan(Topology.load(p))
+    assert result.model == str(ckpt / "config.json")
+    role = result.roles[0]
+    assert role.weights_per_gpu == per_gpu * (computed + 8 * 10**9) // computed > per_gpu + 10**9
+    assert role.capacity < 482_112  # 1 GB more weights a GPU: ~16K fewer tokens
+    assert plan.main(["--config", str(p), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is True and [r["kv_bytes_per_token"] for r in out["roles"]] == [61_464, 61_464]
+    assert out["limits"]["max_input_tokens"] == 202_624 and out["window"] == 202_752
+
+
+def test_attention_dp_keeps_the_per_rank_pool_bound_and_replicates_attention_weights(tmp_path, capsys):
+    plain = plan.plan(Topology.load(write(tmp_path, 202_752, 450_048, 450_048, ', "--kv-cache-dtype", "fp8_e4m3"')))
+    dp = write(tmp_path, 202_752, 450_048, 450_048, ', "--kv-cache-dtype", "fp8_e4m3", "--attn-dp-size", "8"')
+    with_dp = plan.plan(Topology.load(dp))
+    a, b = plain.roles[1], with_dp.roles[1]
+    assert a.cell == b.cell  # the latent is one head: the same row on every GPU either way
+    assert b.weights_per_gpu - a.weights_per_gpu > 10**10 and b.capacity < a.capacity
+    assert plan.main(["--config", str(dp)]) == 2  # 450,048 no longer fits one rank
+    out = capsys.readouterr().out
+    assert f"8 attention-DP ranks: {8 * b.capacity:,} a server" in out
+    assert f"kv_tokens 450,048 > the {b.capacity:,} tokens SGLang can allocate" in out
