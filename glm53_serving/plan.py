@@ -316,6 +316,8 @@ class RolePlan:
     gpu_bytes: int | None = None
     fraction: float | None = None
     capacity: int | None = None  # tokens SGLang's pool will hold on one (attention-DP) rank
+    tp: int = 1
+    pp: int = 1
     attn_dp: int = 1
     kv_tokens: int = 0
     verdict: str = "OK"  # OK | REFUSED | UNCHECKED
@@ -389,7 +391,7 @@ def plan_role(topo: Topology, role: str, shape: Shape, gpu: Gpu | None) -> RoleP
     raw = topo.device == "cuda" and raw_fp8_layout(topo, role, gpu)
     cell = kv_cell(shape, dtype, raw_fp8=raw, attn_tp=attn_tp, pp=pp, draft=draft)
     servers = 1 if role == "single" else getattr(topo, role).count
-    out = RolePlan(role, servers, topo.gpus_per_server(role), dtype, cell, attn_dp=attn_dp)
+    out = RolePlan(role, servers, topo.gpus_per_server(role), dtype, cell, tp=tp, pp=pp, attn_dp=attn_dp)
     out.kv_tokens = topo.role_value(role, "kv_tokens")
     total, per_gpu = weight_bytes(shape, tp, attn_tp, draft=bool(draft))
     if shape.checkpoint_bytes:  # the file's real size, split as the shape says
@@ -417,12 +419,15 @@ def plan_role(topo: Topology, role: str, shape: Shape, gpu: Gpu | None) -> RoleP
         f"kv_tokens {out.kv_tokens:,} > the {out.capacity:,} tokens SGLang can allocate "
         f"(SGLang would cap the pool there with only a warning, kv_cache_configurator.py:3090-3104)"
     )
-    out.fixes = _fixes(topo, role, shape, gpu, out, tp, pp, attn_tp, raw, draft, page)
+    out.fixes = _fixes(topo, shape, gpu, out, raw=raw, draft=draft, page=page)
     return out
 
 
-def _fixes(topo, role, shape, gpu, out: RolePlan, tp, pp, attn_tp, raw, draft, page) -> list[str]:
-    fixes = [f"kv_tokens = {out.capacity:,} fits ({_fitted_window(topo, role, out.capacity)})"]
+def _fixes(topo: Topology, shape: Shape, gpu: Gpu, out: RolePlan, *, raw: bool, draft: int, page: int) -> list[str]:
+    """What would fit, each alone: the pool that fits (and the window it gives), fp8 KV, a higher
+    memory fraction, more GPUs a server."""
+    tp, pp, attn_tp = out.tp, out.pp, out.tp // out.attn_dp
+    fixes = [f"kv_tokens = {out.capacity:,} fits ({_fitted_window(topo, out.role, out.capacity)})"]
     fp8 = kv_cell(shape, "fp8", raw_fp8=raw, attn_tp=attn_tp, pp=pp, draft=draft)
     if out.kv_dtype != "fp8":
         cap = _capacity(gpu.memory_bytes, out.fraction, out.weights_per_gpu, fp8.total, page)
@@ -433,7 +438,7 @@ def _fixes(topo, role, shape, gpu, out: RolePlan, tp, pp, attn_tp, raw, draft, p
         fixes.append(f"--mem-fraction-static {math.ceil(need * 100) / 100:.2f} fits")
     for cell, label in ((out.cell, out.kv_dtype), (fp8, "fp8")):
         for more in (2 * tp, 4 * tp):
-            _, w = weight_bytes(shape, more, more // (tp // attn_tp), draft=bool(draft))
+            _, w = weight_bytes(shape, more, more // out.attn_dp, draft=bool(draft))
             if shape.checkpoint_bytes:
                 w = w * shape.checkpoint_bytes // weight_bytes(shape)[0]
             cap = _capacity(gpu.memory_bytes, out.fraction, w // pp, cell.total, page)
