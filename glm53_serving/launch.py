@@ -34,6 +34,7 @@ import httpx
 import psutil
 
 from glm53_serving import env, k8s, tenants
+from glm53_serving import plan as capacity_plan
 from glm53_serving.topology import LOCAL_NODE, Topology, default_config_path, free_port, shell_line
 
 LOG_TAIL_LINES = 60
@@ -588,13 +589,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo = Topology.load(args.config or default_config_path(), args.topology)
         topo.admission_plan()  # the start-up lint: refuse before starting anything
-        if args.render:  # manifests for the topology instead of processes
-            return k8s.render_main(topo, args, plan, Tenancy)
         nodes = [n.name for n in topo.nodes]
         if args.node is not None and args.node not in nodes:
             raise ValueError(f"--node {args.node}: the file's nodes are {nodes or 'none (it is single-host)'}")
-        if nodes and args.node is None and not args.dry_run:
+        if nodes and args.node is None and not (args.dry_run or args.render):
             raise ValueError(f"this file places processes on nodes {nodes}: start each with --node NAME")
+        # A CUDA role whose kv_tokens its GPUs cannot back (SGLang would shrink the pool with a
+        # warning); a dry run may leave the GPU unnamed. Manifests are checked like a start.
+        capacity_plan.check(topo, require_memory=not args.dry_run)
+        if args.render:  # manifests for the topology instead of processes
+            return k8s.render_main(topo, args, plan, Tenancy)
     except (OSError, ValueError) as e:
         say(f"bad topology: {e}")
         return 2

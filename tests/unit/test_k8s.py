@@ -197,8 +197,8 @@ def test_each_containers_command_is_the_launchers_dry_run_command(rendered, caps
 
 REFUSED = [
     (  # a GPU file on one host: nothing to pin to a node
-        'topology = "pd"\ndevice = "cuda"\n[model]\npath = "/models/GLM-5.3"\ncontext_length = 4096\n'
-        "[worker]\nkv_tokens = 8192\n",
+        'topology = "pd"\ndevice = "cuda"\ngpu_memory_gib = 288\n[model]\npath = "/models/GLM-5.3"\n'
+        'context_length = 4096\n[worker]\nkv_tokens = 8192\nargs = ["--tp-size", "4", "--mem-fraction-static", "0.85"]\n',
         "names no \\[\\[nodes\\]\\]",
     ),
     (THREE_NODES.replace('device = "cuda"', 'device = "cpu"'), 'device = "cpu"'),

@@ -12,6 +12,7 @@ THREE_NODES = """
 topology = "pd"
 device = "cuda"
 transfer_backend = "mooncake"
+gpu_memory_gib = 288               # a 288 GB GPU: TP4 holds GLM-5.3's FP8 weights (the planner checks)
 
 [[nodes]]
 name = "prefill-a"
@@ -34,7 +35,7 @@ context_length = 4096
 
 [worker]
 kv_tokens = 8192
-args = ["--tp-size", "4"]
+args = ["--tp-size", "4", "--mem-fraction-static", "0.85"]
 
 [prefill]
 node = "prefill-a"
@@ -95,7 +96,7 @@ BAD_NODES = [
     (THREE_NODES.replace('[decode]\nnode = "decode-a"\n', "[decode]\n"), r"\[decode\]: a multi-node file places"),
     (THREE_NODES.replace('bind = "0.0.0.0:8080"\n', ""), "bind"),
     (THREE_NODES.replace('assertion_key_file = "assertion.key"\n', ""), "same assertion key"),
-    (THREE_NODES.replace('["--tp-size", "4"]', '["--tp-size", "8"]'), "need 16 GPUs .* has 8"),
+    (THREE_NODES.replace('"--tp-size", "4"', '"--tp-size", "8"'), "need 16 GPUs .* has 8"),
     (THREE_NODES.replace('host = "10.0.0.12"', 'host = "0.0.0.0"'), "private address"),
     (THREE_NODES.replace('name = "front"', 'name = "Front_1"'), "not a name"),
     (THREE_NODES.replace('[decode]\nnode = "decode-a"', '[decode]\nnode = "prefill-a"\nport = 30001'), "both listen"),
