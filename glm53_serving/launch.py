@@ -391,10 +391,8 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
 
     def child(p, argv: list[str], base: dict[str, str], extra: dict[str, str] | None = None) -> Child:
         node_host = topo.node(p.node).host
-        # The bootstrap server advertises SGLANG_HOST_IP to peers, Mooncake's transfer engine
-        # MC_TCP_BIND_ADDRESS (unset: its first NIC's address; its listeners bind every address
-        # regardless, docs/deploy.md).
-        env_ = {**base, "SGLANG_HOST_IP": node_host, "MC_TCP_BIND_ADDRESS": node_host, **(extra or {})}
+        # The bootstrap server advertises SGLANG_HOST_IP to peers.
+        env_ = {**base, "SGLANG_HOST_IP": node_host, **(extra or {})}
         url = f"http://{_reachable(p.host, node_host)}:{p.port}"
         return Child(p.name, argv, env_, url, run_dir / f"{p.name}.log", node=p.node)
 
@@ -409,8 +407,14 @@ def plan(topo: Topology, model_path: str, run_dir: Path, tenancy: Tenancy) -> Pl
             p,
             topo.server_argv(model_path, p.port, p.role, p.bootstrap_port, p),
             worker_env,
-            # Its event log (events.py): which requests it took, what its guards saw.
-            {**trusted, env.EVENTS_LOG.name: str(run_dir / "events" / p.name)},
+            # Its event log (events.py): which requests it took, what its guards saw. Mooncake's
+            # transfer engine advertises MC_TCP_BIND_ADDRESS (unset: its first NIC's address; its
+            # listeners bind every address regardless, docs/deploy.md).
+            {
+                **trusted,
+                env.EVENTS_LOG.name: str(run_dir / "events" / p.name),
+                "MC_TCP_BIND_ADDRESS": topo.node(p.node).host,
+            },
         )
         for p in servers_at
     ]
