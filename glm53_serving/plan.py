@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm53_serving.admission import Limits
+from glm53_serving.model import SHAPE
 from glm53_serving.topology import AdmissionConf, Topology, default_config_path
 
 GiB = 1 << 30
@@ -58,24 +59,8 @@ GPUS = {
 # and one MTP layer.
 GLM53_CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
-    "num_hidden_layers": 78,
-    "hidden_size": 6144,
-    "vocab_size": 154880,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 64,
-    "q_lora_rank": 2048,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 192,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 256,
-    "index_topk": 2048,
-    "index_head_dim": 128,
-    "index_n_heads": 32,
+    **SHAPE,  # what fixes the weights' and the KV pool's layout (model.py checks checkpoints against it)
     "intermediate_size": 12288,
-    "moe_intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 3,
     "num_nextn_predict_layers": 1,
     "max_position_embeddings": 202752,
     "tie_word_embeddings": False,
