@@ -31,8 +31,8 @@ if (P, T) != (limits("single").max_input_tokens, limits("single").max_total_toke
 
 
 # A generation long enough to keep running while a test acts on it: 400 tokens where the
-# budget allows (after a prompt of up to 16 tokens).
-LONG = min(400, T - 16)
+# budget allows (after a prompt of up to 64 tokens).
+LONG = min(400, T - 64)
 
 
 def config_text() -> str:

@@ -19,6 +19,11 @@ from tests.e2e.launcher import alive, auth, launch
 pytestmark = pytest.mark.e2e
 
 
+# Output tokens a longest prompt (P - 1) can still have: 4 where the budget allows (with 64-token
+# pages the largest prompt can leave room for one token only: docs/admission.md).
+OUT_AT_LIMIT = min(4, T - (P - 1))
+
+
 def over_length(endpoint, stream, n_prompt=P, max_new=4):
     """A request whose prompt has exactly n_prompt tokens (or, for text endpoints, at least)."""
     if endpoint == "/generate":
@@ -133,11 +138,11 @@ def test_exactly_at_the_limit_rejected_one_below_served(single, pd, where):
         headers=auth(url),
         json={
             "input_ids": [5] * (P - 1),
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": OUT_AT_LIMIT, "temperature": 0, "ignore_eos": True},
         },
     )
     assert ok.status_code == 200, ok.text
-    assert len(ok.json()["output_ids"]) == 4 and ok.json()["meta_info"]["prompt_tokens"] == P - 1
+    assert len(ok.json()["output_ids"]) == OUT_AT_LIMIT and ok.json()["meta_info"]["prompt_tokens"] == P - 1
 
 
 @pytest.mark.parametrize("where", ["single", "prefill", "decode"])
@@ -246,16 +251,17 @@ def test_asymmetric_pools_reject_at_once_and_serve_below(tmp_path, prefill_kv, d
                 )
                 assert time.monotonic() - t0 < 5.0 and r.status_code == 400, r.text
                 assert f"prompts of at most {limits.max_input_tokens - 1} tokens" in r.text
+        out = min(4, limits.max_total_tokens - (limits.max_input_tokens - 1))
         ok = httpx.post(
             f"{run.url}/generate",
             timeout=120,
             headers=auth(run.url),
             json={
                 "input_ids": [5] * (limits.max_input_tokens - 1),
-                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                "sampling_params": {"max_new_tokens": out, "ignore_eos": True},
             },
         )
-        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == out
     finally:
         run.stop()
         assert alive(run.info["all_pids"]) == []
