@@ -135,9 +135,11 @@ class SlowStream(threading.Thread):
     tokens), so it is still open while a test changes something under it (a key retired, the
     launcher stopped). After join(): status, request id, text, completion_tokens."""
 
-    def __init__(self, url: str, headers: dict, max_new: int = 400):
+    def __init__(self, url: str, headers: dict, max_new: int | None = None):
         super().__init__(daemon=True)
-        self.url, self.headers, self.max_new = url, headers, max_new
+        from tests.e2e.deployment import LONG
+
+        self.url, self.headers, self.max_new = url, headers, max_new or LONG
         self.first, self.status, self.rid, self.text = threading.Event(), None, None, None
 
     def run(self) -> None:

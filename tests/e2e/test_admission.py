@@ -12,23 +12,27 @@ import time
 import httpx
 import pytest
 
-from glm53_serving.topology import REPO_LAUNCH_DIR, Topology, free_port
+from glm53_serving.topology import Topology, free_port
+from tests.e2e.deployment import CONTEXT, MODEL, P, T, config_text, set_keys
 from tests.e2e.launcher import alive, auth, launch
 
 pytestmark = pytest.mark.e2e
 
-P, T = 506, 510  # launch/cpu.toml: max_input_tokens (exclusive), max_total_tokens (docs/admission.md)
+
+# Output tokens a longest prompt (P - 1) can still have: 4 where the budget allows (with 64-token
+# pages the largest prompt can leave room for one token only: docs/admission.md).
+OUT_AT_LIMIT = min(4, T - (P - 1))
 
 
 def over_length(endpoint, stream, n_prompt=P, max_new=4):
     """A request whose prompt has exactly n_prompt tokens (or, for text endpoints, at least)."""
     if endpoint == "/generate":
         return {"input_ids": [5] * n_prompt, "stream": stream, "sampling_params": {"max_new_tokens": max_new}}
-    text = "hello world " * n_prompt  # >= 2 tokens per repetition with glm53-tiny's tokenizer
+    text = "hello world " * n_prompt  # >= 2 tokens per repetition with the tiny models' tokenizer
     if endpoint == "/v1/completions":
-        return {"model": "glm53-tiny", "prompt": text, "max_tokens": max_new, "stream": stream}
+        return {"model": MODEL, "prompt": text, "max_tokens": max_new, "stream": stream}
     return {
-        "model": "glm53-tiny",
+        "model": MODEL,
         "messages": [{"role": "user", "content": text}],
         "max_tokens": max_new,
         "stream": stream,
@@ -96,7 +100,7 @@ def test_over_length_straight_to_the_router_is_a_fast_4xx_and_nothing_runs(pd, e
         headers=auth(pd.worker("router")),
     )
     assert r.status_code == 400
-    assert "prompts of at most 505 tokens" in r.text
+    assert f"prompts of at most {P - 1} tokens" in r.text
     assert [generated_tokens(w) for w in workers] == before
 
 
@@ -127,18 +131,18 @@ def test_over_length_at_the_client_endpoint_is_the_contract_400(single, pd, topo
 def test_exactly_at_the_limit_rejected_one_below_served(single, pd, where):
     url = single.url if where == "single" else pd.url
     r = httpx.post(f"{url}/generate", json=over_length("/generate", False, n_prompt=P), timeout=30, headers=auth(url))
-    assert r.status_code == 400 and "the prompt has 506" in r.text
+    assert r.status_code == 400 and f"the prompt has {P}" in r.text
     ok = httpx.post(
         f"{url}/generate",
         timeout=120,
         headers=auth(url),
         json={
             "input_ids": [5] * (P - 1),
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": OUT_AT_LIMIT, "temperature": 0, "ignore_eos": True},
         },
     )
     assert ok.status_code == 200, ok.text
-    assert len(ok.json()["output_ids"]) == 4 and ok.json()["meta_info"]["prompt_tokens"] == P - 1
+    assert len(ok.json()["output_ids"]) == OUT_AT_LIMIT and ok.json()["meta_info"]["prompt_tokens"] == P - 1
 
 
 @pytest.mark.parametrize("where", ["single", "prefill", "decode"])
@@ -206,10 +210,9 @@ def test_the_advertised_window_is_exactly_what_is_served(single, pd, where):
 
 
 def asym_config(tmp_path, prefill_kv, decode_kv):
-    text = (REPO_LAUNCH_DIR / "cpu.toml").read_text()
-    text = text.replace("clamp_context_to_kv = false", "clamp_context_to_kv = true")
-    text = text.replace("[prefill]\ncount = 1", f"[prefill]\ncount = 1\nkv_tokens = {prefill_kv}")
-    text = text.replace("decode_reserve = 64", f"decode_reserve = 16\nkv_tokens = {decode_kv}")
+    text = set_keys(config_text(), "admission", clamp_context_to_kv="true")
+    text = set_keys(text, "prefill", kv_tokens=prefill_kv)
+    text = set_keys(text, "decode", decode_reserve=16, kv_tokens=decode_kv)
     p = tmp_path / "asym.toml"
     p.write_text(text)
     return p
@@ -248,16 +251,17 @@ def test_asymmetric_pools_reject_at_once_and_serve_below(tmp_path, prefill_kv, d
                 )
                 assert time.monotonic() - t0 < 5.0 and r.status_code == 400, r.text
                 assert f"prompts of at most {limits.max_input_tokens - 1} tokens" in r.text
+        out = min(4, limits.max_total_tokens - (limits.max_input_tokens - 1))
         ok = httpx.post(
             f"{run.url}/generate",
             timeout=120,
             headers=auth(run.url),
             json={
                 "input_ids": [5] * (limits.max_input_tokens - 1),
-                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                "sampling_params": {"max_new_tokens": out, "ignore_eos": True},
             },
         )
-        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == out
     finally:
         run.stop()
         assert alive(run.info["all_pids"]) == []
@@ -268,11 +272,7 @@ def test_asymmetric_pools_reject_at_once_and_serve_below(tmp_path, prefill_kv, d
 
 def test_launcher_refuses_the_incident_configuration(tmp_path):
     cfg = tmp_path / "incident.toml"
-    cfg.write_text(
-        (REPO_LAUNCH_DIR / "cpu.toml")
-        .read_text()
-        .replace("decode_reserve = 64", "decode_reserve = 16\nkv_tokens = 256")
-    )
+    cfg.write_text(set_keys(config_text(), "decode", decode_reserve=16, kv_tokens=256))
     out = subprocess.run(
         [sys.executable, "-m", "glm53_serving.launch", "--config", str(cfg), "--run-dir", str(tmp_path / "r")],
         capture_output=True,
@@ -280,16 +280,16 @@ def test_launcher_refuses_the_incident_configuration(tmp_path):
         timeout=120,
     )
     assert out.returncode == 2
-    assert "512" in out.stderr and "256" in out.stderr and "clamp_context_to_kv = true" in out.stderr
+    assert str(CONTEXT) in out.stderr and "256" in out.stderr and "clamp_context_to_kv = true" in out.stderr
     assert not (tmp_path / "r").exists()  # nothing was started
 
 
 def run_server_directly(tmp_path, role, extra_env=None, kv=2048):
     """A hand-launched server (no launcher): it must check its own capacity."""
-    topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml", "single" if role == "single" else "pd")
-    from glm53_serving.models import tiny
+    from tests.e2e.deployment import CONFIG, model_path
 
-    argv = topo.server_argv(str(tiny.ensure()), 0, role, bootstrap_port=0)
+    topo = Topology.load(CONFIG, "single" if role == "single" else "pd")
+    argv = topo.server_argv(model_path(), 0, role, bootstrap_port=0)
     argv[argv.index("--max-total-tokens") + 1] = str(kv)
     argv[argv.index("--port") + 1] = str(free_port())
     env = {k: v for k, v in os.environ.items() if k != "GLM53_DEPLOYMENT_LIMITS"}
@@ -302,7 +302,8 @@ def test_hand_launched_server_refuses_a_window_larger_than_its_pool(tmp_path):
     assert out.returncode != 0
     assert "glm53_serving: refusing to start" in out.stderr + out.stdout
     assert (
-        "context window (512 tokens) exceeds this single server's KV capacity (256 tokens)" in out.stderr + out.stdout
+        f"context window ({CONTEXT} tokens) exceeds this single server's KV capacity (256 tokens)"
+        in out.stderr + out.stdout
     )
 
 
@@ -312,6 +313,6 @@ def test_hand_launched_pd_server_without_the_deployment_limits_refuses(tmp_path)
 
 
 def test_pd_server_smaller_than_the_deployment_declared_refuses(tmp_path):
-    limits = json.dumps({"max_input_tokens": P, "max_total_tokens": T, "context_length": 512})
-    out = run_server_directly(tmp_path, "decode", {"GLM53_DEPLOYMENT_LIMITS": limits}, kv=400)
+    limits = json.dumps({"max_input_tokens": P, "max_total_tokens": T, "context_length": CONTEXT})
+    out = run_server_directly(tmp_path, "decode", {"GLM53_DEPLOYMENT_LIMITS": limits}, kv=T - 110)
     assert out.returncode != 0 and "less than the deployment's limits" in out.stderr + out.stdout

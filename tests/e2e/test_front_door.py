@@ -13,17 +13,17 @@ import httpx
 import pytest
 
 from glm53_serving import env
-from glm53_serving.models import tiny
-from glm53_serving.topology import REPO_LAUNCH_DIR, Topology, free_port
+from glm53_serving.topology import Topology, free_port
+from tests.e2e.deployment import CONFIG, model_path
 
 pytestmark = pytest.mark.e2e
 
 
 def server_command(extra_args=(), extra_env=None, drop=()):
     """A single server as the launcher would start it, on its own, with `extra_env` and without `drop`."""
-    topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml", "single")
+    topo = Topology.load(CONFIG, "single")
     port = free_port()
-    argv = topo.server_argv(str(tiny.ensure()), port, "single") + list(extra_args)
+    argv = topo.server_argv(model_path(), port, "single") + list(extra_args)
     e = {k: v for k, v in os.environ.items() if not k.startswith("GLM53_")}
     e.update(topo.process_env(), **(extra_env or {}))
     for k in drop:

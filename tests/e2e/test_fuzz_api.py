@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from glm53_serving.errors import CONTRACT
+from tests.e2e.deployment import MODEL
 from tests.e2e.test_robustness import serves_normally
 
 pytestmark = pytest.mark.e2e
@@ -204,7 +205,7 @@ def valid_request(draw):
         sp.update(max_new_tokens=n_new, ignore_eos=draw(st.booleans()))
         key = "input_ids" if isinstance(prompt, list) else "text"
         return path, {key: prompt, "sampling_params": sp, "stream": stream}
-    body = {"model": "glm53-tiny", "max_tokens": n_new, "stream": stream, **params}
+    body = {"model": MODEL, "max_tokens": n_new, "stream": stream, **params}
     if path == "/v1/completions":
         body["prompt"] = draw(st.text(min_size=1, max_size=200))
         body["logprobs"] = draw(st.none() | st.integers(0, 5))
@@ -266,7 +267,7 @@ def abusive_request(draw):
     path = draw(st.sampled_from(GENERATION))
     field = {"/generate": "input_ids", "/v1/completions": "prompt", "/v1/chat/completions": "messages"}[path]
     base = (
-        {"model": "glm53-tiny", "max_tokens": 2, "sampling_params": {"max_new_tokens": 2}}
+        {"model": MODEL, "max_tokens": 2, "sampling_params": {"max_new_tokens": 2}}
         if path != "/generate"
         else {"sampling_params": {"max_new_tokens": 2}}
     )

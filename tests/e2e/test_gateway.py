@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glm53_serving.gateway.tokens import PromptCounter
-from glm53_serving.models import tiny
+from tests.e2e.deployment import MODEL, model_path
 from tests.e2e.launcher import auth
 from tests.e2e.test_admission import P, T, metric
 
@@ -27,7 +27,7 @@ chat_s = st.lists(
 
 @pytest.fixture(scope="module")
 def counter():
-    return PromptCounter(str(tiny.ensure()))
+    return PromptCounter(model_path())
 
 
 def count(counter, endpoint: str, body: dict) -> tuple[int, int | None]:
@@ -43,7 +43,7 @@ def test_gateway_counts_prompts_exactly_as_the_server_does(single, counter, chat
         f"{single.worker('server')}/v1/chat/completions",
         timeout=60,
         headers=auth(single.worker("server")),
-        json={"model": "glm53-tiny", "messages": chat, "max_tokens": 1},
+        json={"model": MODEL, "messages": chat, "max_tokens": 1},
     )
     assert r.status_code == 200, r.text
     assert count(counter, "/v1/chat/completions", {"messages": chat}) == (r.json()["usage"]["prompt_tokens"], None)
@@ -56,7 +56,7 @@ def test_gateway_counts_completion_prompts_exactly_as_the_server_does(single, co
         f"{single.worker('server')}/v1/completions",
         timeout=60,
         headers=auth(single.worker("server")),
-        json={"model": "glm53-tiny", "prompt": text, "max_tokens": 1},
+        json={"model": MODEL, "prompt": text, "max_tokens": 1},
     )
     assert r.status_code == 200, r.text
     assert count(counter, "/v1/completions", {"prompt": text})[0] == r.json()["usage"]["prompt_tokens"]
@@ -111,7 +111,7 @@ def test_models_reports_the_deployment_window(single, pd, topology):
     run = single if topology == "single" else pd
     (m,) = httpx.get(f"{run.url}/v1/models", timeout=30).json()["data"]
     # The largest prompt + output and the largest prompt actually served (test_admission sends them).
-    assert (m["id"], m["max_model_len"], m["max_input_tokens"]) == ("glm53-tiny", T, P - 1)
+    assert (m["id"], m["max_model_len"], m["max_input_tokens"]) == (MODEL, T, P - 1)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
@@ -123,7 +123,7 @@ def test_worker_errors_reach_the_client_as_valid_json_with_their_status(pd, stre
         timeout=30,
         headers=auth(pd.url),
         json={
-            "model": "glm53-tiny",
+            "model": MODEL,
             "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 4,
             "temperature": -1,
@@ -144,7 +144,7 @@ def test_invalid_json_is_a_contract_400(single):
 def test_stream_passes_through_and_disconnect_frees_the_request(single, pd, topology):
     run = single if topology == "single" else pd
     worker = single.worker("server") if topology == "single" else pd.worker("decode-0")
-    # The disconnect races the request's end (480 tokens take 1-2 s here): a try that the
+    # The disconnect races the request's end (480 tokens take 1-2 s here on glm53-tiny GQA): a try that the
     # request won anyway is retried; one that ends aborted is what must happen.
     for _ in range(3):
         before = metric(worker, "sglang:generation_tokens_histogram_sum")
@@ -156,7 +156,7 @@ def test_stream_passes_through_and_disconnect_frees_the_request(single, pd, topo
             json={
                 "input_ids": [7] * 20,
                 "stream": True,
-                "sampling_params": {"max_new_tokens": 480, "ignore_eos": True, "temperature": 0},
+                "sampling_params": {"max_new_tokens": T - 20, "ignore_eos": True, "temperature": 0},
             },
         ) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")

@@ -10,6 +10,7 @@ those pages hold. With the guard it must not depend on earlier traffic; without 
 import httpx
 import pytest
 
+from tests.e2e.deployment import P
 from tests.e2e.launcher import auth, launch
 
 pytestmark = pytest.mark.e2e
@@ -36,13 +37,14 @@ def probe(decode_url: str) -> list[int]:
 
 def churn(client_url: str, seed: int) -> None:
     """Other requests, enough tokens to wrap decode's 2048-slot pool twice."""
+    n = min(400, P - 10)  # prompts the deployment takes
     for k in range(12):
         r = httpx.post(
             f"{client_url}/generate",
             timeout=120,
             headers=auth(client_url),
             json={
-                "input_ids": [(i * seed + k) % 400 + 5 for i in range(400)],
+                "input_ids": [(i * seed + k) % 400 + 5 for i in range(n)],
                 "sampling_params": {"max_new_tokens": 4},
             },
         )

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.deployment import LONG
 from tests.e2e.launcher import eventually, launch, worker_events
 
 pytestmark = pytest.mark.e2e
@@ -95,7 +96,7 @@ def another_tenant_decoding(run, tenant="demo", streams=2):
         body = {
             "input_ids": PROMPT,
             "stream": True,
-            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
         }
         while not stop.is_set():
             with httpx.stream(

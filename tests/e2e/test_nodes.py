@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from glm53_serving import tenants
-from glm53_serving.models import tiny
-from glm53_serving.topology import REPO_LAUNCH_DIR, free_port
+from glm53_serving.topology import free_port
+from tests.e2e.deployment import MODEL, config_text, model_path
 from tests.e2e.launcher import READY_TIMEOUT_S, alive, launcher_output, start
 
 pytestmark = pytest.mark.e2e
@@ -29,8 +29,8 @@ PUBLIC = "127.0.0.5"
 
 
 def topology_file(tmp_path: Path) -> Path:
-    """launch/cpu.toml's model and worker settings, placed on three nodes with fixed ports."""
-    base = (REPO_LAUNCH_DIR / "cpu.toml").read_text()
+    """The default topology's model and worker settings, placed on three nodes with fixed ports."""
+    base = config_text()
     base = base.replace('host = "127.0.0.1"\n', "")
     port = {h: free_port(h) for h in NODES.values()}
     nodes = "".join(f'[[nodes]]\nname = "{n}"\nhost = "{h}"\n\n' for n, h in NODES.items())
@@ -75,7 +75,7 @@ def listeners(pids: list[int]) -> dict[tuple[str, int], str]:
 
 
 def test_three_loopback_nodes_serve_through_the_gateway_bound_to_its_own_address(tmp_path):
-    tiny.ensure(tiny.default_path())  # one generation, before three launchers look for it
+    model_path()  # one generation, before three launchers look for it
     config = topology_file(tmp_path)
     runs = {}
     try:
@@ -99,7 +99,7 @@ def test_three_loopback_nodes_serve_through_the_gateway_bound_to_its_own_address
         r = httpx.post(
             f"{url}/v1/completions",
             headers={"Authorization": f"Bearer {key}"},
-            json={"model": "glm53-tiny", "prompt": "Hello there", "max_tokens": 8, "temperature": 0},
+            json={"model": MODEL, "prompt": "Hello there", "max_tokens": 8, "temperature": 0},
             timeout=120,
         )
         assert r.status_code == 200, r.text

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from tests.e2e.deployment import MODEL
 from tests.e2e.launcher import auth
 
 pytestmark = pytest.mark.e2e
@@ -21,17 +22,9 @@ NORMAL_IDS, NORMAL_NEW = [5, 6, 7], 4
 
 @functools.cache
 def _hf_greedy() -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
+    from tests.e2e.deployment import reference_greedy, reference_model
 
-    from glm53_serving.models import tiny
-
-    model = AutoModelForCausalLM.from_pretrained(tiny.ensure(), dtype=torch.float32).eval()
-    ids = torch.tensor([NORMAL_IDS])
-    with torch.no_grad():
-        for _ in range(NORMAL_NEW):
-            ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-    return ids[0, -NORMAL_NEW:].tolist()
+    return reference_greedy(reference_model(), NORMAL_IDS, NORMAL_NEW)
 
 
 def serves_normally(url, headers=None):
@@ -128,10 +121,10 @@ def healthy_after(run, worker):
 @pytest.mark.parametrize(
     "path,body,param",
     [
-        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 1000}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 1000}, "logprobs"),
         (
             "/v1/chat/completions",
-            {"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 1000},
+            {"model": MODEL, "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 1000},
             "top_logprobs",
         ),
         (
@@ -174,7 +167,7 @@ def test_batch_with_fewer_sampling_params_than_prompts_is_400_not_500(single):
 @pytest.mark.parametrize(
     "path,body,param",
     [
-        ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "n": 2}, "n"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2, "n": 2}, "n"),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "n": 2}}, "sampling_params.n"),
     ],
     ids=["chat", "generate"],
@@ -192,7 +185,7 @@ def test_n_over_one_is_served_by_a_single_server(single):
         f"{single.url}/v1/chat/completions",
         timeout=60,
         headers=single.client_headers(),
-        json={"model": "glm53-tiny", "messages": CHAT, "max_tokens": 2, "n": 3},
+        json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "n": 3},
     )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 3
@@ -210,12 +203,12 @@ def test_n_over_one_is_served_by_a_single_server(single):
             {"text": "hi", "stream": True, "sampling_params": {"temperature": -1}},
             "sampling_params.temperature",
         ),
-        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "logprobs": -1}, "logprobs"),
-        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
         (
             "/v1/chat/completions",
             {
-                "model": "glm53-tiny",
+                "model": MODEL,
                 "messages": [
                     {
                         "role": "user",
@@ -225,10 +218,10 @@ def test_n_over_one_is_served_by_a_single_server(single):
             },
             "messages[0].content[0].type",
         ),
-        ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "top_p": 1.5, "stream": True}, "top_p"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "top_p": 1.5, "stream": True}, "top_p"),
         (
             "/v1/chat/completions",
-            {"model": "glm53-tiny", "messages": [{"role": "wizard", "content": "x"}]},
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
             "messages[0].role",
         ),
     ],
@@ -254,10 +247,10 @@ def test_requests_upstream_ignored_or_misanswered_are_400_naming_the_field(reque
 @pytest.mark.parametrize(
     "path,body,param",
     [
-        ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "temperature": -1}, "temperature"),
-        ("/v1/chat/completions", {"model": "glm53-tiny", "messages": CHAT, "temperature": 2.5}, "temperature"),
-        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ("/v1/completions", {"model": "glm53-tiny", "prompt": "hi", "logprobs": 1000, "stream": True}, "logprobs"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": -1}, "temperature"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 2.5}, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1000, "stream": True}, "logprobs"),
         ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
         ("/generate", {"input_ids": [5, -1]}, "input_ids"),
     ],
@@ -351,7 +344,7 @@ def test_an_integral_float_n_is_judged_by_its_value(single, pd, where, value):
         "prefill-0": pd.worker("prefill-0"),
         "decode-0": pd.worker("decode-0"),
     }[where]
-    body = {"model": "glm53-tiny", "prompt": "hello", "max_tokens": 2, "n": value}
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "n": value}
     if where.startswith(
         ("prefill", "decode")
     ):  # a worker reached with its router's routing fields, as the router sends them

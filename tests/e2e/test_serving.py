@@ -6,12 +6,13 @@ import json
 
 import httpx
 import pytest
-import torch
 
-from glm53_serving.models import tiny
+from glm53_serving.topology import DSA_PRESETS, Topology
+from tests.e2e.deployment import CONFIG, MODEL, TOPOLOGY, reference_greedy, reference_model
 from tests.e2e.launcher import auth
 
 pytestmark = pytest.mark.e2e
+DSA = TOPOLOGY.model.preset in DSA_PRESETS  # the hook table's dsa_only rows are active
 
 PROMPT_IDS = [(i * 37 + 11) % 400 + 7 for i in range(120)]  # long enough that the KV really matters
 N_NEW = 24
@@ -24,17 +25,10 @@ def topo(request):
 
 @pytest.fixture(scope="module")
 def hf_greedy():
-    from transformers import AutoModelForCausalLM
+    model = reference_model()
 
-    model = AutoModelForCausalLM.from_pretrained(tiny.ensure(), dtype=torch.float32).eval()
-
-    def run(ids, n):
-        ids = torch.tensor([ids])
-        with torch.no_grad():
-            for _ in range(n):  # full recompute each step: the plainest possible reference
-                nxt = model(ids).logits[0, -1].argmax()
-                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-        return ids[0, -n:].tolist()
+    def run(ids, n):  # full recompute each step: the plainest possible reference
+        return reference_greedy(model, ids, n)
 
     return run
 
@@ -58,7 +52,7 @@ def chat(url, stream, content="Write a function that sorts a list.", max_tokens=
         timeout=120,
         headers=auth(url),
         json={
-            "model": "glm53-tiny",
+            "model": MODEL,
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -101,7 +95,7 @@ def test_chat_completion(topo):
     r = chat(topo.url, stream=False)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["object"] == "chat.completion" and body["model"] == "glm53-tiny"
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
     msg = body["choices"][0]["message"]
     assert msg["role"] == "assistant" and msg["content"]
     assert body["usage"]["completion_tokens"] == 12 and body["usage"]["prompt_tokens"] > 5
@@ -122,7 +116,7 @@ def test_completions(topo):
         f"{topo.url}/v1/completions",
         timeout=120,
         headers=auth(topo.url),
-        json={"model": "glm53-tiny", "prompt": "def main():", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        json={"model": MODEL, "prompt": "def main():", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] and r.json()["usage"]["completion_tokens"] == 8
@@ -132,12 +126,10 @@ def test_models(topo):
     r = httpx.get(f"{topo.url}/v1/models", timeout=30)
     assert r.status_code == 200
     (m,) = r.json()["data"]
-    from glm53_serving.topology import REPO_LAUNCH_DIR, Topology
-
-    _, limits = Topology.load(REPO_LAUNCH_DIR / "cpu.toml", topo.info["topology"]).admission_plan()
+    _, limits = Topology.load(CONFIG, topo.info["topology"]).admission_plan()
     # what is served (docs/admission.md), not the configured window
     assert (m["id"], m["max_model_len"], m["max_input_tokens"]) == (
-        "glm53-tiny",
+        MODEL,
         limits.max_model_len,
         limits.max_prompt_tokens,
     )
@@ -148,9 +140,8 @@ def test_every_worker_runs_every_guard(single, pd):
     is in place in the server, every KV guard part is on, the deployment's limits are the ones
     enforced, and the guards demonstrably ran on the requests above (zeroing, owner checks)."""
     from glm53_serving import hooks
-    from glm53_serving.topology import REPO_LAUNCH_DIR, Topology
 
-    want = {h.target for h in hooks.active_hooks(cpu=True, guards=True)}
+    want = {h.target for h in hooks.active_hooks(cpu=True, guards=True, dsa=DSA)}
     for run, name, topology in ((single, "server", "single"), (pd, "prefill-0", "pd"), (pd, "decode-0", "pd")):
         url = run.worker(name)
         generate_ids(run.url, PROMPT_IDS[:40], 4)
@@ -158,7 +149,7 @@ def test_every_worker_runs_every_guard(single, pd):
         assert status["active"] is True and status["disabled_by"] is None and status["tenants"] == "enforced"
         assert set(status["hooks"]) == want, set(status["hooks"]) ^ want
         assert status["kv_guard"] == {"zero": True, "owner": True, "handoff": True}
-        _, limits = Topology.load(REPO_LAUNCH_DIR / "cpu.toml", topology).admission_plan()
+        _, limits = Topology.load(CONFIG, topology).admission_plan()
         assert (status["limits"]["max_input_tokens"], status["limits"]["max_total_tokens"]) == (
             limits.max_input_tokens,
             limits.max_total_tokens,

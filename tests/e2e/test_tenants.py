@@ -20,7 +20,7 @@ import pytest
 from glm53_serving import tenants
 from glm53_serving.gateway.app import routing_key
 from glm53_serving.tenant_guard import ROUTES, Access
-from glm53_serving.topology import REPO_LAUNCH_DIR
+from tests.e2e.deployment import LONG, MODEL, config_text, set_keys
 from tests.e2e.launcher import SlowStream, auth, launch
 from tests.e2e.test_admission import metric, over_length
 from tests.e2e.test_robustness import serves_normally
@@ -276,14 +276,14 @@ def test_a_tenant_aborts_only_its_own_requests(single):
         def abort(rid2=rid2, aborted=aborted):
             aborted.append(httpx.post(f"{url}/abort_request", json={"rid": rid2}, headers=a, timeout=30))
 
-        stream_tokens(url, a, rid2, 400, seen2, started2, on_first=abort)
+        stream_tokens(url, a, rid2, LONG, seen2, started2, on_first=abort)
         assert aborted and aborted[0].status_code == 200, aborted
         assert seen2, "the stream produced no chunk"
         if seen2[-1]["meta_info"]["finish_reason"]["type"] == "abort":
             break
         assert seen2[-1]["meta_info"]["finish_reason"]["type"] == "length"  # finished before the abort arrived
     assert seen2[-1]["meta_info"]["finish_reason"]["type"] == "abort", f"{attempt + 1} tries ended before the abort"
-    assert seen2[-1]["meta_info"]["completion_tokens"] < 400
+    assert seen2[-1]["meta_info"]["completion_tokens"] < LONG
 
 
 def test_stored_responses_are_not_a_tenant_api(single):
@@ -373,7 +373,7 @@ def test_the_router_replaces_client_handoff_fields(pd):
 def pd2(tmp_path_factory):
     d = tmp_path_factory.mktemp("pd2")
     cfg = d / "pd2.toml"
-    cfg.write_text((REPO_LAUNCH_DIR / "cpu.toml").read_text().replace("[decode]\ncount = 1", "[decode]\ncount = 2"))
+    cfg.write_text(set_keys(config_text(), "decode", count=2))
     run = launch(d / "run", "--config", str(cfg))
     yield run
     run.stop()
@@ -427,7 +427,7 @@ def bad_requests(run):
             headers=b,
             timeout=30,
             json={  # 400 worker, through the router
-                "model": "glm53-tiny",
+                "model": MODEL,
                 "messages": [{"role": "user", "content": "x"}],
                 "temperature": -1,
             },
