@@ -21,13 +21,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.deployment import LONG
+from tests.e2e.deployment import LONG, PAGE, T
 from tests.e2e.launcher import eventually, launch, worker_events
 
 pytestmark = pytest.mark.e2e
 
 KV_FAULT = str(Path(__file__).resolve().parents[1] / "support" / "kv_fault")
-PROMPT = [(i * 7) % 300 + 5 for i in range(40)]
+# A prompt whose pages outlive its request in the prefix cache (the "live page another tenant
+# owns" of the scenarios below): the radix cache keeps whole pages only, so with 64-token pages
+# the prompt spans two of them.
+PROMPT = [(i * 7) % 300 + 5 for i in range(40 if PAGE == 1 else 2 * PAGE + 8)]
+# The other tenant's long generations: as long as its budget allows after PROMPT.
+OTHERS_NEW = min(LONG, T - len(PROMPT) - 8)
 
 
 def _env(tmp_path):
@@ -96,7 +101,7 @@ def another_tenant_decoding(run, tenant="demo", streams=2):
         body = {
             "input_ids": PROMPT,
             "stream": True,
-            "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": OTHERS_NEW, "temperature": 0, "ignore_eos": True},
         }
         while not stop.is_set():
             with httpx.stream(
