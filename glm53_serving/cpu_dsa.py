@@ -1,6 +1,6 @@
 """GLM-5.x DSA models (`GlmMoeDsaForCausalLM`: MLA + DSA sparse indexer) on SGLang's CPU path.
 
-Opt-in: only the glm53-dsa-tiny deployment (launch/cpu-dsa.toml) exercises it. Every function
+Only DSA deployments on CPU exercise it: the embedded default glm53-tiny (launch/cpu.toml). Every function
 here is the implementation of a `cpu_only=True` row of hooks.HOOKS, so it is never installed on
 a CUDA process. The argument-resolution rows act only for DSA models, the torch_native rows
 only when the DSA-only `topk_indices` argument is passed; the RoPE and MLA-dispatch rows change

@@ -320,7 +320,7 @@ HOOKS: tuple[Hook, ...] = (
         value=False,
         process="scheduler",
     ),
-    # --- GLM-5.x MLA + DSA on CPU (glm53_serving/cpu_dsa.py; opt-in model glm53-dsa-tiny) -------
+    # --- GLM-5.x MLA + DSA on CPU (glm53_serving/cpu_dsa.py; the default model glm53-tiny) -------
     Hook(
         "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments",
         Kind.AROUND,

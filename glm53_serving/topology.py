@@ -25,8 +25,10 @@ from glm53_serving.validation import MAX_N, MAX_N_PD
 
 REPO_LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 DEFAULT_CONFIG = REPO_LAUNCH_DIR / "cpu.toml"
-PRESETS = ("glm53-tiny", "glm53-dsa-tiny")  # glm53-dsa-tiny: GLM-5.3's MLA+DSA, opt-in (launch/cpu-dsa.toml)
-DSA_PRESETS = ("glm53-dsa-tiny",)  # served with the hooks' dsa_only rows on CPU (env.CPU_DSA)
+# glm53-tiny: GLM-5.3's MLA+DSA (the default, launch/cpu.toml); glm53-gqa-tiny: the GQA stand-in
+# kept for comparison (launch/cpu-gqa.toml).
+PRESETS = ("glm53-tiny", "glm53-gqa-tiny")
+DSA_PRESETS = ("glm53-tiny",)  # served with the hooks' dsa_only rows on CPU (env.CPU_DSA)
 # GLM-5.x's tool calls and thinking in SGLang 0.5.23 (function_call_parser.py "glm47",
 # reasoning_parser.py "glm45": the names SGLang's GLM-5 recipes use).
 GLM53_PARSERS = (("--tool-call-parser", "glm47"), ("--reasoning-parser", "glm45"))

@@ -1,4 +1,4 @@
-"""HF transformers' GlmMoeDsaForCausalLM as the reference for glm53-dsa-tiny, with the DSA
+"""HF transformers' GlmMoeDsaForCausalLM as the reference for glm53-tiny, with the DSA
 indexer's keys quantised to fp8 as SGLang's CPU path stores them.
 
 Stock HF keeps the indexer keys in full precision; SGLang stores them in the fp8 index-K cache

@@ -5,7 +5,7 @@
     python -m glm53_serving.bench.serving gateway --gateway-own-core --simultaneous  # the hop's latency alone
     python -m glm53_serving.bench.serving kv_guard  # single server: KV guard on vs. GLM53_KV_GUARD_OFF=zero,owner,handoff
     python -m glm53_serving.bench.serving kv_guard --vs-upstream  # ... vs. GLM53_SERVING_DISABLE=1
-    python -m glm53_serving.bench.serving kv_guard --config launch/cpu-dsa.toml  # ... on glm53-dsa-tiny
+    python -m glm53_serving.bench.serving kv_guard --config launch/cpu-gqa.toml  # ... on the GQA stand-in
 
 Each side runs SGLang's load generator (`sglang.bench_serving`'s Rust client by default,
 `--client python` for the Python one; dataset random-ids, greedy) once to warm up (not counted),
@@ -97,7 +97,7 @@ def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[d
             "--dataset-name",
             "random-ids",
             "--tokenizer",
-            str(tiny.ensure()),  # every embedded preset has glm53-tiny's tokenizer
+            str(tiny.ensure()),  # every embedded preset has the same tokenizer (models/tiny.py)
             "--model",
             a.model,
             "--num-prompts",

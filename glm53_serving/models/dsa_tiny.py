@@ -1,9 +1,9 @@
-"""glm53-dsa-tiny: a tiny random checkpoint of GLM-5.3's own architecture (opt-in, CPU).
+"""glm53-tiny, the embedded default model: a tiny random checkpoint of GLM-5.3's own architecture.
 
 `GlmMoeDsaForCausalLM`: MLA latent attention, the DSA sparse indexer (index_topk small enough
 that selection is really used on prompts of a few dozen tokens) and sigmoid-routed MoE with one
-shared expert, generated locally from a fixed seed with glm53-tiny's tokenizer. Serving it on
-CPU needs the patches of glm53_serving/cpu_dsa.py. Cached like glm53-tiny, by recipe hash.
+shared expert, generated locally from a fixed seed with the embedded tokenizer (models/tiny.py).
+Serving it on CPU needs the patches of glm53_serving/cpu_dsa.py. Cached by recipe hash.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from glm53_serving.models import tiny
 
 SEED = 20260815
 RECIPE_VERSION = 2  # 2: sharded like GLM-5.3 (model-0000k-of-0000n.safetensors + index)
-PRESET = "glm53-dsa-tiny"
+PRESET = "glm53-tiny"
 INDEX_TOPK = 16
 SHARD_BYTES = 400_000  # ~1.1 MB of weights: three shards and an index file, as GLM-5.3's checkpoint
 PAGE_SIZE = 64  # DSA forces 64-token KV pages in SGLang

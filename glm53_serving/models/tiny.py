@@ -1,8 +1,11 @@
-"""glm53-tiny: the embedded default model, generated locally and deterministically.
+"""glm53-gqa-tiny: the GQA stand-in, generated locally and deterministically; and the tokenizer
+and checkpoint cache every embedded model shares.
 
 A random-weight checkpoint in Hugging Face layout with GLM-5.3's MoE block family (sigmoid-gated
-routed experts with a correction bias, one shared expert, first layer dense) and attention that
-runs on CPU (GQA, `Glm4MoeForCausalLM`; GLM-5.3's MLA+DSA needs CUDA). Nothing is downloaded:
+routed experts with a correction bias, one shared expert, first layer dense) and GQA attention
+(`Glm4MoeForCausalLM`, an MHA KV pool, page size 1). It was the embedded default before
+glm53-tiny became GLM-5.3's own architecture (models/dsa_tiny.py); it stays for comparison
+(launch/cpu-gqa.toml: the same benches, about 4x less CPU per token). Nothing is downloaded:
 the tokenizer is a byte-level BPE trained here on a fixed corpus, the weights come from a fixed
 seed. The checkpoint is cached outside the repository and regenerated when missing or when this
 recipe changes (the cache directory is named by the recipe's hash).
@@ -25,6 +28,7 @@ RECIPE_VERSION = 1
 SPECIAL_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 512
+PRESET = "glm53-gqa-tiny"
 
 CONFIG = {
     "architectures": ["Glm4MoeForCausalLM"],
@@ -107,7 +111,7 @@ def cache_root() -> Path:
 
 
 def default_path() -> Path:
-    return cache_root() / "models" / f"glm53-tiny-{recipe_hash()}"
+    return cache_root() / "models" / f"{PRESET}-{recipe_hash()}"
 
 
 def ensure(path: Path | None = None) -> Path:

@@ -1,5 +1,5 @@
 """The deployment the e2e tests run: the launcher's default topology file (GLM53_TOPOLOGY picks
-another, e.g. `GLM53_TOPOLOGY=launch/cpu-dsa.toml scripts/test tests/e2e`), and what the tests
+another, e.g. `GLM53_TOPOLOGY=launch/cpu-gqa.toml scripts/test tests/e2e`), and what the tests
 derive from it instead of hard-coding one model's numbers."""
 
 from __future__ import annotations

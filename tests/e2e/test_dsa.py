@@ -1,6 +1,6 @@
-"""Opt-in GLM-5.3 architecture on CPU: glm53-dsa-tiny (MLA + DSA sparse indexer with an fp8
+"""GLM-5.3's architecture on CPU: glm53-tiny (MLA + DSA sparse indexer with an fp8
 index-K cache, sigmoid MoE, 64-token pages, DSATokenToKVPool) served by a real single server and
-a real PD pair (launch/cpu-dsa.toml) with the plugin's patches, greedy-equal to HF transformers
+a real PD pair (launch/cpu.toml) with the plugin's patches, greedy-equal to HF transformers
 with the same fp8 index-key quantisation (tests/hf_reference.py), with the KV guard on that pool
 and decode retraction under memory pressure."""
 
@@ -22,7 +22,7 @@ N_NEW = 12
 @pytest.fixture(scope="module")
 def dsa(tmp_path_factory):
     run = launch(
-        tmp_path_factory.mktemp("run-dsa"), "--config", str(REPO_LAUNCH_DIR / "cpu-dsa.toml"), "--topology", "single"
+        tmp_path_factory.mktemp("run-dsa"), "--config", str(REPO_LAUNCH_DIR / "cpu.toml"), "--topology", "single"
     )
     yield run
     run.stop()
@@ -101,7 +101,7 @@ DECODE_POOL = 512  # 8 pages: four 300-token requests cannot all stay on decode 
 def dsa_pd(tmp_path_factory):
     d = tmp_path_factory.mktemp("run-dsa-pd")
     cfg = d / "cpu-dsa-pd.toml"
-    text = (REPO_LAUNCH_DIR / "cpu-dsa.toml").read_text()
+    text = (REPO_LAUNCH_DIR / "cpu.toml").read_text()
     cfg.write_text(text.replace("[decode]\ncount = 1", f"[decode]\ncount = 1\nkv_tokens = {DECODE_POOL}"))
     run = launch(d / "run", "--config", str(cfg))
     yield run

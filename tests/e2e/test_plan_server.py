@@ -1,4 +1,4 @@
-"""The capacity planner against a real server: the KV pool glm53-dsa-tiny's single server
+"""The capacity planner against a real server: the KV pool glm53-tiny's single server
 allocates (SGLang's own sglang:kv_cache_memory_usage_gb, the bytes of every latent and index-K
 buffer) is the planner's KV bytes per token times the pool's tokens, plus SGLang's padding."""
 
@@ -19,7 +19,7 @@ def gauge(metrics: str, name: str) -> float:
 
 
 def test_the_dsa_servers_kv_pool_is_the_planners_bytes_per_token(tmp_path):
-    config = REPO_LAUNCH_DIR / "cpu-dsa.toml"
+    config = REPO_LAUNCH_DIR / "cpu.toml"
     role = plan.plan(Topology.load(config, "single")).roles[0]
     run = launch(tmp_path / "run", "--config", str(config), "--topology", "single")
     try:

@@ -1,4 +1,4 @@
-"""glm53-dsa-tiny (opt-in): a deterministic tiny GlmMoeDsaForCausalLM with the settings SGLang's
+"""glm53-tiny (the default): a deterministic tiny GlmMoeDsaForCausalLM with the settings SGLang's
 CPU path needs, and a deployment file that serves it with 64-token pages."""
 
 import hashlib
@@ -60,7 +60,7 @@ def test_the_checkpoint_is_sharded_with_an_index_as_glm53s(ckpt):
 @pytest.mark.parametrize("topology", ["single", "pd"])
 def test_cpu_dsa_toml_serves_the_preset_with_64_token_pages(topology):
     assert dsa_tiny.PRESET in PRESETS
-    topo = Topology.load(REPO_LAUNCH_DIR / "cpu-dsa.toml", topology)
+    topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml", topology)
     assert topo.model.preset == dsa_tiny.PRESET
     for cap in topo.capacities():
         assert cap.page_size == dsa_tiny.PAGE_SIZE and cap.kv_tokens % dsa_tiny.PAGE_SIZE == 0

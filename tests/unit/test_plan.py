@@ -160,7 +160,7 @@ SHARED = {**plan.GLM53_CONFIG, "indexer_types": ["full", "shared", "shared", "fu
         (plan.GLM53_CONFIG, "bfloat16", torch.bfloat16, (78 * 576 * 2, 78 * 132)),  # 100,152 B
         (plan.GLM53_CONFIG, "fp8", torch.float8_e4m3fn, (78 * 656, 78 * 132)),  # 61,464 B: packed fp8 row
         (SHARED, "fp8", torch.float8_e4m3fn, (78 * 656, 40 * 132)),  # shared-top-k layers: no index-K rows
-        (dsa_tiny.CONFIG, "float32", torch.float32, (3 * 48 * 4, 3 * 132)),  # glm53-dsa-tiny as served on CPU
+        (dsa_tiny.CONFIG, "float32", torch.float32, (3 * 48 * 4, 3 * 132)),  # glm53-tiny as served on CPU
     ],
     ids=["glm53-bf16", "glm53-fp8", "glm53-shared-indexer-fp8", "dsa-tiny-fp32"],
 )
@@ -330,7 +330,7 @@ def test_the_pd_layouts_dry_run_prints_stable_per_node_commands(tmp_path, capsys
     assert "--prefill http://10.0.0.11:30000 8998 --decode http://10.0.0.12:30000" in out["front"]
 
 
-@pytest.mark.parametrize("preset", [tiny, dsa_tiny], ids=["glm53-tiny", "glm53-dsa-tiny"])
+@pytest.mark.parametrize("preset", [tiny, dsa_tiny], ids=["glm53-gqa-tiny", "glm53-tiny"])
 def test_the_weights_counted_from_the_shape_are_the_bytes_of_the_generated_checkpoint(preset):
     """Every tensor of the presets' real checkpoints (MLA, indexer, dense and MoE layers, router,
     embeddings) is counted once with its dtype: the file's bytes, to the byte (fp32, unquantized)."""

@@ -225,7 +225,7 @@ def test_only_a_dsa_preset_on_cpu_gets_the_dsa_rows():
     from glm53_serving import env
 
     assert env.CPU_DSA.name not in Topology.load(REPO_LAUNCH_DIR / "cpu.toml").process_env()
-    assert Topology.load(REPO_LAUNCH_DIR / "cpu-dsa.toml", "single").process_env()[env.CPU_DSA.name] == "1"
+    assert Topology.load(REPO_LAUNCH_DIR / "cpu.toml", "single").process_env()[env.CPU_DSA.name] == "1"
 
 
 def test_a_glm53_checkpoint_gets_sglangs_glm5_parsers_unless_the_topology_names_others():
