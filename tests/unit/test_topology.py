@@ -187,14 +187,18 @@ def test_clamp_switch_advertises_the_smallest_pool(tmp_path):
 
 
 def test_deployment_limits_reach_every_server(tmp_path):
-    topo = Topology.load(REPO_LAUNCH_DIR / "cpu.toml")
     import json
 
     from glm53_serving import env
     from glm53_serving.admission import Limits
 
-    limits = Limits(**json.loads(topo.process_env()[env.DEPLOYMENT_LIMITS.name]))
-    assert limits.max_input_tokens == 506 and limits.max_total_tokens == 510  # docs/admission.md worked example
+    def limits(name):
+        return Limits(**json.loads(Topology.load(REPO_LAUNCH_DIR / name).process_env()[env.DEPLOYMENT_LIMITS.name]))
+
+    gqa = limits("cpu-gqa.toml")  # page size 1: docs/admission.md's worked example
+    assert gqa.max_input_tokens == 506 and gqa.max_total_tokens == 510
+    dsa = limits("cpu.toml")  # 64-token pages: two pages of slack under the 512 window
+    assert dsa.max_input_tokens == 384 and dsa.max_total_tokens == 384
 
 
 def test_body_limits_and_timeouts_grow_inward_so_the_gateway_answers_first():
@@ -224,7 +228,7 @@ def test_free_ports_are_outside_the_ephemeral_range_distinct_and_bindable():
 def test_only_a_dsa_preset_on_cpu_gets_the_dsa_rows():
     from glm53_serving import env
 
-    assert env.CPU_DSA.name not in Topology.load(REPO_LAUNCH_DIR / "cpu.toml").process_env()
+    assert env.CPU_DSA.name not in Topology.load(REPO_LAUNCH_DIR / "cpu-gqa.toml").process_env()
     assert Topology.load(REPO_LAUNCH_DIR / "cpu.toml", "single").process_env()[env.CPU_DSA.name] == "1"
 
 
