@@ -242,7 +242,10 @@ def test_valid_requests_with_random_sampling_are_served_by_every_scheduler(reque
 
 
 def sse_events(text: str) -> list[str]:
-    return [line.removeprefix("data:").strip() for line in text.splitlines() if line.startswith("data:")]
+    # SSE lines end at CR or LF only (not at str.splitlines()'s U+2028, U+0085, ...: JSON leaves
+    # those unescaped inside a token's text, and a byte-level BPE token can hold one).
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return [line.removeprefix("data:").strip() for line in lines if line.startswith("data:")]
 
 
 # --- what the schema does not describe ----------------------------------------------------------
