@@ -462,11 +462,10 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor, node: str | None = No
     included: the router's node waits for every server)."""
     t0 = time.monotonic()
     model_path = resolve_model_path(topo)
-    p0 = plan(topo, "", run_dir, Tenancy.prepare(topo, run_dir, create=False))
-    here = p0.on(node)
-    if not here:
+    places = topo.placements()  # where each process runs (no ports picked yet: plan() does that once)
+    if not any(node is None or pl.node == node for pl in places):
         raise LaunchError(f"node {node!r} runs none of this topology's processes")
-    gateway_here = p0.gateway.node == node or node is None
+    gateway_here = node is None or next(pl for pl in places if pl.role == "gateway").node == node
     tenancy = Tenancy.prepare(topo, run_dir, demo_tenants=gateway_here)
     if topo.tenants.mode == "off":
         say('WARNING: tenants are OFF ([tenants] mode = "off"): every client shares one trust domain')

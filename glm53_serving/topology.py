@@ -446,7 +446,6 @@ class Topology:
             conf = self.worker if role == "single" else getattr(self, role)
             node = node_of(conf)
             count = 1 if role == "single" else conf.count
-            port0 = conf.port if role != "single" or conf.port is not None else None
             # Servers on one node take ports one after another: a second role on the same node
             # starts after the first role's ports unless it sets its own.
             taken = sum(1 for p in out if p.node == node.name)
@@ -461,7 +460,7 @@ class Topology:
                         role=role,
                         node=node.name,
                         host=node.host,
-                        port=fixed(port0, "server", i if port0 is not None else taken + i),
+                        port=fixed(conf.port, "server", i if conf.port is not None else taken + i),
                         bootstrap_port=(
                             fixed(conf.bootstrap_port, "bootstrap", i if conf.bootstrap_port is not None else taken + i)
                             if role == "prefill"
