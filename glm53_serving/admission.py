@@ -72,8 +72,11 @@ class Limits:
     max_input_tokens: int  # exclusive: prompt_tokens must be < this
     max_total_tokens: int  # inclusive: prompt_tokens + max_new_tokens must be <= this
     context_length: int
+    max_output_tokens: int | None = None  # inclusive: max_new_tokens must be <= this (None: the window's)
 
     def __post_init__(self):
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be positive: {self}")
         if self.max_input_tokens <= 1:
             raise ValueError(f"no prompt fits these limits: {self}")
         if self.max_input_tokens > self.max_total_tokens:
@@ -90,7 +93,7 @@ class Limits:
         return min(self.max_total_tokens, self.context_length)
 
     @classmethod
-    def of(cls, capacities: Iterable[Capacity]) -> Limits:
+    def of(cls, capacities: Iterable[Capacity], max_output_tokens: int | None = None) -> Limits:
         caps = list(capacities)
         if not caps:
             raise ValueError("a deployment needs at least one role")
@@ -98,6 +101,7 @@ class Limits:
             max_input_tokens=min(c.max_input_tokens for c in caps),
             max_total_tokens=min(c.max_total_tokens for c in caps),
             context_length=min(c.context_length for c in caps),
+            max_output_tokens=max_output_tokens,
         )
 
     def within(self, other: Limits) -> bool:
@@ -124,13 +128,18 @@ def check(
     `clip`), or raises ClientError(context_length_exceeded) naming the field the client sent the
     prompt in (`prompt_param`: messages, prompt, text or input_ids) or `max_tokens`.
     `max_new_tokens` None (as much as fits; SGLang stops at the window) is admitted exactly when 1
-    is: every admitted prompt has room for one output token."""
+    is: every admitted prompt has room for one output token; under an output limit it becomes
+    that limit or what fits, whichever is less. More than the output limit is
+    max_tokens_exceeded (clipped to it when `clip`)."""
     details = {
         "prompt_tokens": prompt_tokens,
         "max_new_tokens": max_new_tokens,
         "max_input_tokens": limits.max_input_tokens,
         "max_total_tokens": limits.max_total_tokens,
     }
+    cap = limits.max_output_tokens
+    if cap is not None:
+        details["max_output_tokens"] = cap
     if prompt_tokens >= limits.max_input_tokens:
         raise ClientError(
             "context_length_exceeded",
@@ -139,6 +148,17 @@ def check(
             param=prompt_param,
             details=details,
         )
+    if cap is not None and max_new_tokens is None:
+        return min(cap, limits.max_total_tokens - prompt_tokens)
+    if cap is not None and max_new_tokens > cap:
+        if not clip:
+            raise ClientError(
+                "max_tokens_exceeded",
+                f"This model generates at most {cap} output tokens per request; {max_new_tokens} were requested.",
+                param="max_tokens",
+                details=details,
+            )
+        max_new_tokens = cap
     if max_new_tokens is not None and prompt_tokens + max_new_tokens > limits.max_total_tokens:
         if clip:
             return limits.max_total_tokens - prompt_tokens

@@ -14,6 +14,7 @@ from typing import Any
 # code -> (HTTP status, OpenAI error type)
 CONTRACT: dict[str, tuple[int, str]] = {
     "context_length_exceeded": (400, "invalid_request_error"),
+    "max_tokens_exceeded": (400, "invalid_request_error"),
     "invalid_request_error": (400, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
     "invalid_api_key": (401, "invalid_request_error"),

@@ -1,14 +1,22 @@
-"""PD handoff length check: decode decodes only over a prompt whose KV prefill actually sent.
+"""PD handoff check: decode decodes only over a prompt whose KV prefill actually sent.
 
 Invariant: a PD decode server starts decoding a request only if the prefill server reports, in
 the request's metadata slot, the same prompt length as the KV destination decode pre-allocated
-for it. Any other length (or none: a prefill without this plugin writes 0) aborts that request
-with HTTP 500 `kv_handoff_mismatch` before its first decode step.
+for it, and every slot of that prompt holds written KV in each kind of buffer the transfer
+carries: the latent (or K/V) rows, and for DSA the index-K pages, which travel on a channel of
+their own (the pool's "state" buffers). Any other length (or none: a prefill without this plugin
+writes 0), or a slot that still reads zero, aborts that request with HTTP 500
+`kv_handoff_mismatch` before its first decode step.
 
 Attack/incident closed: in the incident, prefill forwarded a one-token placeholder for an
 over-length prompt and decode attended over the rest of its pre-allocated pages, which nothing
 had written (upstream today: prefill and decode truncating to different lengths). Decode cannot
-see which pages a transfer wrote; it can compare the length prefill says it sent.
+see which pages a transfer wrote; it can compare the length prefill says it sent, and, because
+the "zero" part hands the destination out zeroed, see which slots are still zero: written KV
+is never all zero (a latent row is an RMS-normalised vector with its RoPE part; an index key's
+fp32 scale is its absolute maximum over 448). One layer of each buffer kind is read (the last
+that has rows: a transfer sends a page in every layer or fails), as integers of the element's
+width so that a -0.0 counts as written.
 
 How: the metadata buffer's `cached_tokens` row is int32 (size, 16) and slots 7-15 are unused
 upstream (disaggregation/utils.py MetadataBuffers.set_buf). Prefill writes
@@ -23,7 +31,9 @@ from __future__ import annotations
 import logging
 from http import HTTPStatus
 
-from glm53_serving import events
+import torch
+
+from glm53_serving import events, kv_zero
 from glm53_serving.errors import KV_HANDOFF_MESSAGE
 from glm53_serving.metrics import KV_VIOLATIONS
 
@@ -61,21 +71,46 @@ def check_prompt_length(result, self, decode_req, *args, **kwargs):
         return result
     expected = expected_length(req)
     if carried != expected:
-        logger.error(
-            "glm53_serving PD handoff length mismatch: request %s, prefill sent KV for %d prompt tokens, "
-            "decode pre-allocated %d. Aborting this request before decoding.",
-            req.rid,
-            carried,
-            expected,
-        )
-        KV_VIOLATIONS.inc(where="handoff")
-        events.record("kv_handoff_mismatch", rid=req.rid, carried=carried, expected=expected)
-        prepare_abort(
-            req,
-            f"{KV_HANDOFF_MESSAGE} prefill sent KV for {carried} prompt tokens, decode expected "
-            f"{expected}; the request was aborted before decoding.",
-            status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
-        )
-        req.finished_reason.err_type = MISMATCH_CODE
-        req.skip_radix_cache_insert = True
+        why = f"prefill sent KV for {carried} prompt tokens, decode expected {expected}"
+        _abort(req, prepare_abort, why, carried=carried, expected=expected)
+        return result
+    scheduler = self.scheduler
+    slots = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :expected]
+    missing = unwritten(scheduler.token_to_kv_pool_allocator.get_kvcache(), slots)
+    if missing:
+        why = f"prefill's transfer left {', '.join(f'{n} {what}' for what, n in missing.items())} unwritten"
+        _abort(req, prepare_abort, why, carried=carried, expected=expected, unwritten=missing)
     return result
+
+
+def _abort(req, prepare_abort, why: str, **event) -> None:
+    logger.error("glm53_serving PD handoff mismatch: request %s, %s. Aborting it before decoding.", req.rid, why)
+    KV_VIOLATIONS.inc(where="handoff")
+    events.record("kv_handoff_mismatch", rid=req.rid, **event)
+    prepare_abort(
+        req,
+        f"{KV_HANDOFF_MESSAGE} {why}; the request was aborted before decoding.",
+        status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+    )
+    req.finished_reason.err_type = MISMATCH_CODE
+    req.skip_radix_cache_insert = True
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def unwritten(pool, slots: torch.Tensor) -> dict[str, int]:
+    """How many of `slots` still read zero, per buffer kind ("KV slots", "index-K slots"); empty
+    when every slot was written. One device-to-host sync."""
+    slots = slots.to(torch.int64)
+    last = kv_zero.layer_buffers(pool)[-1]
+    rows = last[slots]
+    rows = rows.view(_INT_OF_WIDTH[rows.element_size()]).reshape(slots.numel(), -1)
+    counts = [(~(rows != 0).any(dim=1)).sum()]
+    if type(pool).__name__ == "DSATokenToKVPool":
+        buf = [b for b in pool.index_key_cache.buffer if b.shape[0]][-1]
+        p = pool.page_size
+        scales = buf[:, p * pool.index_head_dim :].view(buf.shape[0], p, -1)[slots // p, slots % p]
+        counts.append((~(scales != 0).any(dim=1)).sum())
+    found = torch.stack(counts).tolist()
+    return {what: n for what, n in zip(("KV slots", "index-K slots"), found) if n}

@@ -258,7 +258,10 @@ def quarantine(
       request), unless the slot continues an older page (paged), which counts as older;
     - older positions the request frees itself (>= cache_protected_len) get a fresh zeroed page
       of its own, freed with it;
-    - positions of the protected prefix, which the request never frees, read the padding page 0.
+    - positions of the protected prefix, which the request never frees, read the padding page 0;
+    - a fresh slot on another owner's page (the allocation itself put two owners on one page)
+      is replaced by the slot its own page has at that offset, or its logical page redirected
+      as above, in the row and in what the forward writes (`new_slots`: out_cache_loc).
     The displaced indices are not freed: they are another owner's or cannot be trusted.
     Its outcome: 500 kv_isolation_violation, no tokens, no prefix-cache insert."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -286,9 +289,23 @@ def quarantine(
     events.record("kv_isolation_violation", rid=req.rid, where=where, namespace=ns, slots=int(positions.numel()))
 
     pos = positions.tolist()
+    fresh_end = new_start + new_slots.numel()
+    lost = set()  # logical pages of fresh positions with no slot of their own to go back to
     for q in pos:
-        if new_start <= q < new_start + new_slots.numel():
-            r2t[row, q] = int(new_slots[q - new_start])
+        if new_start <= q < fresh_end:
+            slot = int(new_slots[q - new_start])
+            if int(tags[slot // p]) not in (ns, FREE):
+                # The allocation itself handed out a slot of another owner's page (two owners on
+                # one page: claim() kept the page's owner). Neither read nor write it, nor free
+                # that page with this request: the slot at q's offset in the page the
+                # allocator gave q's neighbours is the one meant for q (paged pools keep
+                # slot % page == position % page).
+                own = _own_slot(q, new_start, new_slots, p, tags, ns)
+                if own is None:
+                    lost.add(q // p)
+                    continue
+                new_slots[q - new_start] = slot = own  # out_cache_loc: where the forward writes
+            r2t[row, q] = slot
     # What is still foreign (older positions, or a fresh slot continuing a foreign page) is
     # redirected a whole page at a time: paged kernels read a logical page as one physical page.
     n = int(positions.max()) + 1
@@ -304,13 +321,16 @@ def quarantine(
     # slot again: zeroed at allocation, freed with the request, readable whatever its tag says.
     fresh_from = new_start + (-new_start) % p  # first page boundary inside the new positions
     fresh_to = new_start + new_slots.numel()
-    pages = sorted({q // p for q in torch.nonzero(still).flatten().tolist() if not fresh_from <= q < fresh_to})
+    pages = sorted({q // p for q in torch.nonzero(still).flatten().tolist() if not fresh_from <= q < fresh_to} | lost)
     protected = int(getattr(req.kv, "cache_protected_len", None) or 0)
     for lp in (lp for lp in pages if lp * p < protected):
         r2t[row, lp * p : lp * p + p] = torch.arange(p, dtype=r2t.dtype, device=r2t.device)
     own_pages = [lp for lp in pages if lp * p >= protected]
     if own_pages:
         _redirect_to_fresh(batch, req, row, own_pages, ns)
+    for q in range(new_start, fresh_end):  # what the forward writes follows the repaired row
+        if q // p in lost:
+            new_slots[q - new_start] = r2t[row, q]
 
     message = (
         f"{KV_ISOLATION_MESSAGE} this request's KV cache row referenced pages of another owner; "
@@ -320,6 +340,16 @@ def quarantine(
     req.skip_radix_cache_insert = True
     req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, VIOLATION_CODE)
     _tell_decode(req, message)
+
+
+def _own_slot(q: int, new_start: int, new_slots: torch.Tensor, p: int, tags: torch.Tensor, ns: int) -> int | None:
+    """The slot at q's offset of the page this allocation gave q's logical page, taken from a
+    neighbour on that page that is tagged ns; None when no neighbour is."""
+    lo, hi = max(new_start, q - q % p), min(new_start + new_slots.numel(), q - q % p + p)
+    for s in new_slots[lo - new_start : hi - new_start].tolist():
+        if int(tags[s // p]) == ns:
+            return s // p * p + q % p
+    return None
 
 
 def _tell_decode(req, message: str) -> None:

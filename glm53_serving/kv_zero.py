@@ -102,16 +102,23 @@ def zero_slots(pool, slots: torch.Tensor) -> None:
         return
     n = int(slots.numel())
     page = getattr(pool, "page_size", 1)
-    if page > 1 and slots.device.type == "cpu" and n >= page:
-        # Paged pools (DSA: 64 tokens): the pages an allocation covers whole are zeroed as page
-        # rows, each one contiguous run of page x row bytes (memset speed, where a slot-indexed
-        # fill moves one 1 KiB row at a time); the slots of partly covered pages as below.
-        full, slots = _split_full_pages(slots, page)
-        if full.numel():
-            _zero_pages(pool, full, page)
-        if slots.numel() == 0:
-            ZEROED.inc(n)
-            return
+    if page > 1:
+        # Paged pools (DSA: 64 tokens). A page this allocation opens (it holds the page's first
+        # slot: paged pools keep slot % page == position % page) is zeroed whole, the slots the
+        # request will only take at later decode steps too: nothing of the page's previous
+        # owner stays in it, not even where no one reads (a PD transfer copies whole pages, so
+        # a stale tail would travel to decode). On the CPU as page rows, each one contiguous
+        # run of page x row bytes (memset speed, where a slot-indexed fill moves one 1 KiB row
+        # at a time); the slots continuing an older page (the request's own) as below.
+        if slots.device.type != "cpu" and n <= WIDEN_MAX:  # a decode step's: no host sync
+            slots = _with_opened_pages(slots, page)
+        else:
+            opened, slots = _opened_pages(slots, page)
+            if opened.numel():
+                _zero_pages(pool, opened, page)
+            if slots.numel() == 0:
+                ZEROED.inc(n)
+                return
     # Finding runs costs a sort and a host copy: worth it for prefill-sized allocations only (and
     # never on a GPU, where it would sync); a decode step's few slots take the indexed fill.
     runs = _runs(slots) if slots.device.type == "cpu" and slots.numel() > SMALL_ALLOC else None
@@ -126,18 +133,27 @@ def zero_slots(pool, slots: torch.Tensor) -> None:
     ZEROED.inc(n)
 
 
-def _split_full_pages(slots: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pages `slots` covers whole, the slots of the other pages). An allocation's slots are
-    distinct (a slot handed out twice would itself be the leak), so a page counted `page` times
-    is covered whole: no slot of it holds anything of another request."""
+# A GPU allocation of at most this many slots (decode steps) widens opened pages into indices
+# (up to page x as many) rather than sync once to find them; a prefill's syncs.
+WIDEN_MAX = 1024
+
+
+def _opened_pages(slots: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the pages `slots` opens, the slots on other pages): a page is opened by the allocation
+    that hands out its first slot; the others continue a page the request already holds."""
     pages = slots // page
-    uniq, counts = torch.unique(pages, return_counts=True)
-    full = uniq[counts == page]
-    if full.numel() == uniq.numel():
-        return full, slots[:0]
-    if full.numel() == 0:
-        return full, slots
-    return full, slots[~torch.isin(pages, full)]
+    opened = torch.unique(pages[slots % page == 0])
+    if opened.numel() == 0:
+        return opened, slots
+    return opened, slots[~torch.isin(pages, opened)]
+
+
+def _with_opened_pages(slots: torch.Tensor, page: int) -> torch.Tensor:
+    """`slots`, each page-opening slot widened to its whole page (repeats are harmless to a
+    zero fill): page x as many indices, built without reading anything back to the host."""
+    offsets = torch.arange(page, device=slots.device)
+    opens = (slots % page == 0)[:, None]
+    return torch.where(opens, slots[:, None] + offsets, slots[:, None]).flatten()
 
 
 # Whole pages in at most this many runs of adjacent pages are zeroed run by run (a latent page

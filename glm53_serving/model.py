@@ -22,6 +22,9 @@ import functools
 from typing import Any
 
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
+# GLM-5.x's model card: up to 128K output tokens per request (of a 202,752-token window). The
+# serving default for a GLM-5.3 checkpoint (topology.Topology.max_output_tokens).
+MAX_OUTPUT_TOKENS = 131_072
 
 # GLM-5.3's shape (transformers' GlmMoeDsaConfig defaults, documented as zai-org/GLM-5; a public
 # serving report states GLM-5.3's config equals GLM-5.2's). The fields that fix the weights' and

@@ -60,9 +60,16 @@ class ModelConf:
     served_model_name: str = "glm53"
     context_length: int | None = None
     dtype: str | None = None
+    # Output tokens one request may ask for; a GLM-5.3 checkpoint defaults to model.MAX_OUTPUT_TOKENS,
+    # a preset to none beyond the window.
+    max_output_tokens: int | None = None
 
     def __post_init__(self):
         _require((self.preset is None) != (self.path is None), "model: set exactly one of preset, path")
+        _require(
+            self.max_output_tokens is None or self.max_output_tokens > 0,
+            f"model.max_output_tokens must be positive, not {self.max_output_tokens}",
+        )
         _require(self.preset is None or self.preset in PRESETS, f"model.preset must be one of {PRESETS}")
         _require(
             self.context_length is None or self.context_length > 0,
@@ -534,7 +541,16 @@ class Topology:
                 )
             ctx = smallest
             caps = [Capacity(c.role, ctx, c.kv_tokens, c.page_size, c.decode_reserve) for c in caps]
-        return ctx, (Limits.of(caps) if caps else None)
+        return ctx, (Limits.of(caps, self.max_output_tokens()) if caps else None)
+
+    def max_output_tokens(self) -> int | None:
+        """What one request may ask to generate: the file's, or GLM-5.3's 128K for a checkpoint."""
+        from glm53_serving import model
+
+        m = self.model
+        if m.max_output_tokens is not None:
+            return m.max_output_tokens
+        return model.MAX_OUTPUT_TOKENS if m.path is not None else None
 
     def body_limits(self) -> tuple[int, int, int]:
         """(gateway, router, worker) request body limits in bytes."""

@@ -442,6 +442,11 @@ class Gateway:
                         # exactly what is served: the largest prompt + output, the largest prompt
                         "max_model_len": self.cfg.limits.max_model_len,
                         "max_input_tokens": self.cfg.limits.max_prompt_tokens,
+                        **(
+                            {"max_output_tokens": self.cfg.limits.max_output_tokens}
+                            if self.cfg.limits.max_output_tokens is not None
+                            else {}
+                        ),
                     }
                 ],
             }

@@ -316,3 +316,46 @@ def test_pd_server_smaller_than_the_deployment_declared_refuses(tmp_path):
     limits = json.dumps({"max_input_tokens": P, "max_total_tokens": T, "context_length": CONTEXT})
     out = run_server_directly(tmp_path, "decode", {"GLM53_DEPLOYMENT_LIMITS": limits}, kv=T - 110)
     assert out.returncode != 0 and "less than the deployment's limits" in out.stderr + out.stdout
+
+
+# --- the output limit: GLM-5.3 generates at most 128K tokens per request -------------------------
+
+
+def test_the_output_limit_is_advertised_enforced_and_fills_in_an_unset_max_tokens(tmp_path):
+    """A checkpoint of GLM-5.3 gets max_output_tokens 131,072 by default (tests/unit/test_topology.py);
+    here the same limit, at 24 tokens on the tiny model, through the gateway and the real openai
+    client: /v1/models says it, one token more is max_tokens_exceeded before any token on every
+    endpoint, and a request that sets no max_tokens gets exactly that many with finish_reason
+    "length" (SGLang alone would generate to the window: 383 tokens)."""
+    import openai
+
+    cap = 24
+    cfg = tmp_path / "capped.toml"
+    cfg.write_text(set_keys(config_text(), "model", max_output_tokens=cap))
+    run = launch(tmp_path / "run", "--config", str(cfg), "--topology", "single")
+    try:
+        (m,) = httpx.get(f"{run.url}/v1/models", timeout=30, headers=auth(run.url)).json()["data"]
+        assert m["max_output_tokens"] == cap and (m["max_input_tokens"], m["max_model_len"]) == (P - 1, T)
+        key = run.client_headers()["Authorization"].split()[1]
+        client = openai.OpenAI(base_url=f"{run.url}/v1", api_key=key, max_retries=0)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "temperature": 0}
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(**chat, max_tokens=cap + 1, stream=stream)
+            err = e.value.body
+            assert err["code"] == "max_tokens_exceeded" and err["param"] == "max_tokens", err
+            assert err["max_output_tokens"] == cap and err["max_new_tokens"] == cap + 1, err
+        worker = httpx.post(  # the worker holds the same limit, whoever reaches it
+            f"{run.worker('server')}/generate",
+            headers=run.worker_headers(),
+            timeout=60,
+            json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": cap + 1}},
+        )
+        assert worker.status_code == 400 and worker.json()["error"]["code"] == "max_tokens_exceeded", worker.text
+        full = client.chat.completions.create(**chat, max_tokens=cap, extra_body={"ignore_eos": True})
+        unset = client.chat.completions.create(**chat, extra_body={"ignore_eos": True})
+        for r in (full, unset):
+            assert r.usage.completion_tokens == cap and r.choices[0].finish_reason == "length", r
+    finally:
+        run.stop()
+        assert alive(run.info["all_pids"]) == []

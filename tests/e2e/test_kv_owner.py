@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.deployment import LONG, PAGE, T
+from glm53_serving.topology import DSA_PRESETS
+from tests.e2e.deployment import LONG, PAGE, TOPOLOGY, T
 from tests.e2e.launcher import eventually, launch, worker_events
 
 pytestmark = pytest.mark.e2e
@@ -44,6 +45,9 @@ def _env(tmp_path):
         "GLM53_TEST_KV_REBOOTSTRAP_SHORT": "kvfault-rebootstrap",
         "GLM53_TEST_KV_FOREIGN_DECODE": "kvfault-decode",
         "GLM53_TEST_KV_POISON_TAIL": "kvfault-poison",
+        "GLM53_TEST_KV_SHARE_PAGE": "kvfault-share",
+        "GLM53_TEST_KV_DROP_INDEX_K": "kvfault-dropindex",
+        "GLM53_TEST_KV_DROP_LATENT": "kvfault-droplatent",
         "GLM53_TEST_KV_LOG": str(tmp_path / "kv-events.jsonl"),
     }
 
@@ -241,6 +245,32 @@ def test_a_foreign_index_at_a_decode_step_fails_that_request_alone(faulty_single
     assert again.status_code == 200 and again.json()["output_ids"] == expected
 
 
+@pytest.mark.skipif(PAGE == 1, reason="one-token pages are never partly filled")
+def test_a_slot_of_another_tenants_partly_filled_page_fails_that_request_alone(faulty_single):
+    """Owner tags are per page: the allocation hands demo-b the unwritten last slot of a page
+    demo's running request holds a few tokens of (two owners on one page). demo-b's request
+    fails with the contract's 500; demo's generations finish whole; both tenants are served
+    after. A guard that let the claim take that page (or tagged slots, not pages) returns 200."""
+    run = faulty_single
+    expected = generate(run).json()["output_ids"]
+    fired = []
+    with another_tenant_decoding(run):
+        for k in range(8):  # a request finds a partly filled page of demo's at most times
+            r = generate(run, rid=f"kvfault-share-{k}", tenant="demo-b")
+            hit = [e for e in faults(run, f"kvfault-share-{k}") if e.get("fault") == "shared_page"]
+            if hit:
+                fired.append(hit[0])
+                assert_contract_500(r, "kv_isolation_violation")
+                break
+            assert r.status_code == 200 and r.json()["output_ids"] == expected, r.text[:300]
+    assert fired, faults(run, "kvfault-share-")
+    e = fired[0]
+    assert e["owner"] not in (0, e["own"]) and 0 < e["filled"] < e["slot"] % PAGE, e  # unwritten, partly filled
+    for tenant in ("demo", "demo-b"):
+        again = generate(run, tenant=tenant)
+        assert again.status_code == 200 and again.json()["output_ids"] == expected, again.text[:300]
+
+
 def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroed_pages(faulty_pd):
     run = faulty_pd
     decode = run.worker("decode-0")
@@ -304,6 +334,33 @@ def test_pd_decode_checks_owners_and_the_handoff_length_and_publishes_only_zeroe
     published = [e for e in events if e.get("event") == "publish"]
     assert len(published) >= 4, events
     assert all(e["all_zero"] for e in published), [e for e in published if not e["all_zero"]]
+    if TOPOLOGY.model.preset in DSA_PRESETS:  # the index-K rows were looked at too
+        assert all(e["index_k_layers"] > 0 for e in published), published
+
+
+def test_pd_decode_refuses_a_transfer_that_left_latent_or_index_k_pages_unwritten(faulty_pd):
+    """The length prefill reports is right, but the transfer left the prompt's last page zero on
+    decode: its index-K bytes (DSA's indexer keys travel on a channel of their own) or its
+    latent rows. Decode's handoff check finds the unwritten slots and fails the request before
+    its first decode step; without that check it decodes over them and answers 200."""
+    run = faulty_pd
+    expected = generate(run).json()["output_ids"]
+    kinds = [("kvfault-droplatent-1", "dropped_latent_page", "KV slots")]
+    if TOPOLOGY.model.preset in DSA_PRESETS:
+        kinds.append(("kvfault-dropindex-1", "dropped_index_k_page", "index-K slots"))
+    for rid, fault, what in kinds:
+        r = generate(run, rid=rid)
+        dropped = [e for e in faults(run, rid) if e.get("fault") == fault]
+        assert dropped and dropped[0]["buffers"] > 0 and dropped[0]["slots"] > 0, faults(run, rid)
+        assert_contract_500(r, "kv_handoff_mismatch")
+
+        def logged(rid=rid):
+            return [e for e in worker_events(run, event="kv_handoff_mismatch", worker="decode-0") if e["rid"] == rid]
+
+        event = eventually(logged)[0]
+        assert event["unwritten"] == {what: dropped[0]["slots"]}, event
+    again = generate(run)
+    assert again.status_code == 200 and again.json()["output_ids"] == expected, again.text[:300]
 
 
 def test_pd_prefill_side_violation_fails_the_request_at_once_not_at_decodes_timeout(faulty_pd):

@@ -179,3 +179,30 @@ def test_the_advertised_window_is_the_served_one_with_a_clamped_small_decode_poo
     for prompt, max_new in ((336, 1), (335, 398 - 335 + 1), (1, 398)):
         with pytest.raises(ClientError):
             check(limits, prompt, max_new)
+
+
+# --- the output limit (GLM-5.3: 128K output tokens per request) ----------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(cap=st.integers(1, 600), prompt=st.integers(0, 505), asked=st.one_of(st.none(), st.integers(1, 800)))
+def test_an_output_limit_bounds_every_request_and_fills_in_an_unset_max_tokens(cap, prompt, asked):
+    limits = Limits(506, 510, 512, max_output_tokens=cap)
+    budget = 510 - prompt
+    try:
+        allowed = check(limits, prompt, asked)
+    except ClientError as e:
+        over_cap = asked is not None and asked > cap
+        assert e.code == ("max_tokens_exceeded" if over_cap else "context_length_exceeded"), e.code
+        assert e.param == "max_tokens" and (not over_cap or e.details["max_output_tokens"] == cap)
+        assert asked is not None and (asked > cap or asked > budget)
+        return
+    assert allowed == (min(cap, budget) if asked is None else asked) and allowed <= cap
+
+
+def test_over_the_output_limit_is_clipped_to_it_in_clip_mode():
+    limits = Limits(506, 510, 512, max_output_tokens=100)
+    assert check(limits, 10, 101, clip=True) == 100
+    assert check(limits, 450, 101, clip=True) == 60  # then to the window's budget
+    with pytest.raises(ValueError):
+        Limits(506, 510, 512, max_output_tokens=0)

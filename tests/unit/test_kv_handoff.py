@@ -1,6 +1,7 @@
-"""The PD handoff length check on SGLang's real metadata buffers, requests and decode requests:
-decode decodes only a prompt whose KV prefill says it sent, exactly; any other length is the
-contract's kv_handoff_mismatch before the first decode step."""
+"""The PD handoff check on SGLang's real metadata buffers, requests, decode requests and KV pools:
+decode decodes only a prompt whose KV prefill says it sent, exactly, and whose every slot the
+transfer wrote (latent or K/V rows, and DSA's index-K pages); anything else is the contract's
+kv_handoff_mismatch before the first decode step."""
 
 from array import array
 from types import SimpleNamespace
@@ -10,10 +11,14 @@ import torch
 from sglang.srt.disaggregation.decode import DecodeRequest
 from sglang.srt.disaggregation.utils import MetadataBuffers
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from glm53_serving import kv_handoff
 from glm53_serving.errors import KV_HANDOFF_MESSAGE
+from tests.unit.test_kv_zero import make as make_pool
+from tests.unit.test_kv_zero import slot_views
 
 
 def buffers():
@@ -26,15 +31,30 @@ def prompt_req(n: int, rid="r") -> Req:
     return req
 
 
-def decode_side(prompt_len: int, carried: int | None, **kw):
+def written_scheduler(prompt_len: int, pool=None, alloc=None):
+    """Decode's scheduler memory with the prompt's destination in row 0, every slot written."""
+    if pool is None:
+        pool = MHATokenToKVPool(256, 1, torch.float32, 2, 4, 2, "cpu", False)
+        alloc = TokenToKVPoolAllocator(256, torch.float32, "cpu", pool, False)
+    r2t = ReqToTokenPool(2, 256, "cpu", False)
+    slots = torch.arange(alloc.page_size, alloc.page_size + prompt_len)  # past the padding page
+    r2t.req_to_token[0, :prompt_len] = slots.to(torch.int32)
+    for t, idx in slot_views(pool, slots):
+        t[idx] = 1
+    return SimpleNamespace(req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc), pool, slots
+
+
+def decode_side(prompt_len: int, carried: int | None, scheduler=None, **kw):
     """Decode's request pre-allocated for `prompt_len` tokens; prefill (or nobody) wrote `carried`."""
     buf = buffers()
     if carried is not None:  # prefill ran carry_prompt_length (AFTER its set_buf) for a prompt of that length
         kv_handoff.carry_prompt_length(None, buf, prompt_req(carried))
     req = prompt_req(prompt_len)
     req.kv.kv_committed_len = prompt_len
+    req.kv.req_pool_idx = 0
     decode_req = DecodeRequest(req=req, kv_receiver=None, metadata_buffer_index=1, **kw)
-    kv_handoff.check_prompt_length(None, SimpleNamespace(metadata_buffers=buf), decode_req)
+    scheduler = scheduler or written_scheduler(prompt_len)[0]
+    kv_handoff.check_prompt_length(None, SimpleNamespace(metadata_buffers=buf, scheduler=scheduler), decode_req)
     return req, buf
 
 
@@ -70,3 +90,32 @@ def test_a_retraction_rebootstrap_is_checked_like_any_transfer(carried, aborted)
     assert isinstance(req.finished_reason, FINISH_ABORT) == aborted
     if aborted:
         assert req.finished_reason.err_type == kv_handoff.MISMATCH_CODE
+
+
+def test_a_slot_the_transfer_did_not_write_is_a_handoff_mismatch():
+    # The length is right, but one prompt slot still reads zero: the transfer did not write it.
+    scheduler, pool, slots = written_scheduler(137)
+    pool.v_buffer[-1][slots[50]] = -0.0  # zero in value, not in bytes: still written
+    assert decode_side(137, 137, scheduler)[0].finished_reason is None
+    pool.v_buffer[-1][slots[50]] = 0
+    req, _ = decode_side(137, 137, scheduler)
+    assert req.finished_reason.err_type == kv_handoff.MISMATCH_CODE
+    assert "left 1 KV slots unwritten" in req.finished_reason.message
+
+
+@pytest.mark.parametrize("kind", ["latent", "index-K"])
+def test_dsa_latent_and_index_k_pages_are_both_checked(kind):
+    # GLM-5.3's pool: 64-token pages; the index-K pages travel on their own channel.
+    pool, alloc = make_pool(64, dsa=True)
+    scheduler, _, slots = written_scheduler(130, pool, alloc)
+    assert decode_side(130, 130, scheduler)[0].finished_reason is None
+    last_page = slots[128:]  # the prompt's partly filled last page: 2 of 64 slots
+    if kind == "latent":
+        pool.kv_buffer[-1][last_page] = 0
+    else:  # the index keys' fp32 scales of that page, in IndexKeyCache's layout
+        buf, p = pool.index_key_cache.buffer[-1], pool.page_size
+        buf[:, p * pool.index_head_dim :].view(buf.shape[0], p, -1)[last_page // p, last_page % p] = 0
+    req, _ = decode_side(130, 130, scheduler)
+    assert req.finished_reason.err_type == kv_handoff.MISMATCH_CODE
+    what = "KV slots" if kind == "latent" else "index-K slots"
+    assert f"left 2 {what} unwritten" in req.finished_reason.message, req.finished_reason.message

@@ -500,11 +500,13 @@ def test_a_foreign_last_position_is_caught_with_the_slot_the_decode_continues_it
     s.r2t[b.kv.req_pool_idx, 5] = int(sa[1])  # the same offset in its page as position 5
     free_before = s.alloc.available_size()
     batch.prepare_for_decode()
-    assert int(batch.out_cache_loc[0]) == int(sa[2]), "the decode continued the foreign page"
     assert b.to_finish.err_type == "kv_isolation_violation" and a.to_finish is None
     assert "positions [5, 6]" in caplog.text
+    assert f"slots [{int(sa[1])}, {int(sa[2])}]" in caplog.text, "the decode continued the foreign page"
     row_b = s.row(b, 7)
     assert not torch.isin(row_b // 4, sa // 4).any(), "b's row still reaches a's pages"
+    # and the forward writes b's new KV into b's fresh page, not into a's
+    assert int(batch.out_cache_loc[0]) == int(row_b[6])
     assert torch.count_nonzero(s.pool.k_buffer[0][row_b[4:]]) == 0, "the redirected page must read zeros"
     assert (kv_owner.tags_of(s.alloc)[sa // 4] == kv_owner.owner_of(a)).all(), "a's pages stay a's"
     # All of a's KV but the slot the allocator handed out: the "zero" part's hook on alloc_decode
@@ -513,3 +515,39 @@ def test_a_foreign_last_position_is_caught_with_the_slot_the_decode_continues_it
     untouched = sa[sa != sa[2]]
     assert bool((s.pool.k_buffer[0][untouched] == 5.0).all()), "a's KV must be left untouched"
     assert s.alloc.available_size() == free_before - 4  # only the fresh page
+
+
+def test_an_allocation_handing_out_a_slot_of_another_owners_partly_filled_page_is_caught(monkeypatch):
+    # Two owners on one page: a's second page holds 2 of its 4 slots; the allocation for b
+    # hands b the unwritten last slot of that page instead of its own (the fault is injected
+    # into SGLang's row writer, which alloc_for_extend calls with the allocation). claim() leaves
+    # the page a's, so b is caught; the forward writes and reads b's own slot, and b's release
+    # frees b's pages only, never a's.
+    from sglang.srt.mem_cache import allocation
+
+    s = Scheduler(4)
+    a, b = _req("a", "tenant-a", 6), _req("b", "tenant-b")
+    s.extend([a])
+    sa = s.row(a)
+    shared = int(sa[4]) // 4 * 4 + 3  # a's partly filled page, the slot a has not written
+    real_write = allocation.write_cache_indices
+    displaced = []
+
+    def share_a_page(out_cache_loc, req_pool_indices, *args):
+        displaced.append(int(out_cache_loc[0]))
+        out_cache_loc[0] = shared
+        real_write(out_cache_loc, req_pool_indices, *args)
+
+    monkeypatch.setattr(allocation, "write_cache_indices", share_a_page)
+    free_before = s.alloc.available_size()
+    batch = s.extend([b])
+    assert b.to_finish.err_type == "kv_isolation_violation" and a.to_finish is None
+    row_b = s.row(b, 8)
+    assert int(row_b[0]) == displaced[0] and int(batch.out_cache_loc[0]) == displaced[0]
+    assert not torch.isin(row_b // 4, sa // 4).any(), "b's row still reaches a's page"
+    tags = kv_owner.tags_of(s.alloc)
+    assert (tags[sa // 4] == kv_owner.owner_of(a)).all() and (tags[row_b // 4] == kv_owner.owner_of(b)).all()
+    assert s.alloc.available_size() == free_before - 8
+    s.alloc.free(row_b)  # b's release, as the scheduler does it
+    assert s.alloc.available_size() == free_before
+    assert (tags[sa // 4] == kv_owner.owner_of(a)).all(), "b's release freed a's page"

@@ -174,11 +174,11 @@ def test_dsa_zeroing_clears_exactly_the_slots_in_every_buffer_and_indexer_layer(
     every = [t for t, _ in slot_views(pool, torch.arange(0))]
     for t in every:
         t.fill_(1)
-    slots = torch.tensor([64, 65, 127, 130])  # the ends of one page, and one inside the next
+    slots = torch.tensor([65, 127, 130])  # continuing pages 1 and 2 (no first slot: none opened)
     kv_zero.zero_slots(pool, slots)
     for t, idx in slot_views(pool, slots):
         assert torch.count_nonzero(t[idx]) == 0
-    # ... and nothing else: each buffer lost exactly 4 slots' worth of bytes
+    # ... and nothing else: each buffer lost exactly 3 slots' worth of bytes
     for t, idx in slot_views(pool, slots):
         assert t.numel() - torch.count_nonzero(t) == t[idx].numel()
 
@@ -208,3 +208,29 @@ def test_dsa_pages_covered_whole_are_zeroed_as_pages_and_partial_pages_slot_by_s
     for t, idx in slot_views(pool, slots):
         assert torch.count_nonzero(t[idx]) == 0
         assert t.numel() - torch.count_nonzero(t) == t[idx].numel()  # nothing else was touched
+
+
+def test_a_page_an_allocation_opens_is_zeroed_whole_its_unwritten_tail_too():
+    """A prompt of 130 tokens opens pages 1, 2 and 3 and gets 2 slots of page 3 (its other 62
+    are the request's later decode steps'): page 3 is zeroed whole, latent and index-K, so
+    nothing of its previous owner stays in it (a PD transfer copies whole pages: a stale tail
+    would reach decode). A decode step continuing page 3 zeroes only its own slot."""
+    pool, _ = make(DSA_PAGE, dsa=True)
+    for t, _ in slot_views(pool, torch.arange(0)):
+        t.fill_(1)
+    kv_zero.zero_slots(pool, torch.arange(64, 64 + 130))
+    for t, idx in slot_views(pool, torch.arange(64, 256)):
+        assert torch.count_nonzero(t[idx]) == 0
+        assert t.numel() - torch.count_nonzero(t) == t[idx].numel()  # pages 1-3, nothing else
+    for t, _ in slot_views(pool, torch.arange(0)):
+        t.fill_(1)
+    kv_zero.zero_slots(pool, torch.tensor([194]))  # a decode step continuing page 3
+    for t, idx in slot_views(pool, torch.tensor([194])):
+        assert torch.count_nonzero(t[idx]) == 0
+        assert t.numel() - torch.count_nonzero(t) == t[idx].numel()
+
+
+def test_on_a_gpu_a_decode_steps_opened_pages_become_indices_without_a_host_sync():
+    # Two requests' decode slots: 128 opens page 2, 70 continues page 1.
+    widened = kv_zero._with_opened_pages(torch.tensor([128, 70]), DSA_PAGE)
+    assert sorted(set(widened.tolist())) == [70, *range(128, 192)]

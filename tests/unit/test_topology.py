@@ -199,6 +199,21 @@ def test_deployment_limits_reach_every_server(tmp_path):
     assert gqa.max_input_tokens == 506 and gqa.max_total_tokens == 510
     dsa = limits("cpu.toml")  # 64-token pages: two pages of slack under the 512 window
     assert dsa.max_input_tokens == 384 and dsa.max_total_tokens == 384
+    assert gqa.max_output_tokens is None and dsa.max_output_tokens is None  # presets: the window's
+
+
+@pytest.mark.parametrize("name", ["glm53-h200-single.toml", "glm53-h200-pd.toml"])
+def test_a_glm53_checkpoint_serves_at_most_128k_output_tokens_unless_the_file_says(name, tmp_path):
+    from glm53_serving import model
+
+    topo = Topology.load(REPO_LAUNCH_DIR / name)
+    assert topo.admission_plan()[1].max_output_tokens == model.MAX_OUTPUT_TOKENS == 131_072
+    text = (REPO_LAUNCH_DIR / name).read_text().replace("[model]\n", "[model]\nmax_output_tokens = 32768\n", 1)
+    (tmp_path / name).write_text(text)
+    assert Topology.load(tmp_path / name).admission_plan()[1].max_output_tokens == 32_768
+    (tmp_path / name).write_text(text.replace("32768", "0"))
+    with pytest.raises(ValueError, match="max_output_tokens must be positive"):
+        Topology.load(tmp_path / name)
 
 
 def test_body_limits_and_timeouts_grow_inward_so_the_gateway_answers_first():

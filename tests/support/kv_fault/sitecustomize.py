@@ -12,6 +12,13 @@ Put this directory on PYTHONPATH (spawned SGLang children inherit it) and set an
   the owner check sees the fault exactly as a real bug would leave it.
 - GLM53_TEST_KV_FOREIGN_DECODE=<marker>: the same at such a request's first decode step (in PD:
   decode's first step after the transfer), on its new position.
+- GLM53_TEST_KV_SHARE_PAGE=<marker>: when an extend batch is built for such a request, the
+  allocator is made to hand it, at its first new position, a slot of another namespace's live,
+  partly filled last page that its owner has not written yet (two owners on one page: the
+  allocator fault that per-page owner tags exist for). The slot goes into the allocation itself
+  (`out_cache_loc`, what the forward writes) and the row. The partly filled pages come from
+  other requests' decode steps (a request of another tenant must be decoding); with none, the
+  log says `no_shared_page` and nothing is injected.
 - GLM53_TEST_KV_POISON_TAIL=<marker>: at every batch build of such a request, its row beyond
   the request's length is filled with another namespace's live slot (stale row residue at its
   worst): the output must not change and no check may fail, because nothing reads past the length.
@@ -20,9 +27,14 @@ Put this directory on PYTHONPATH (spawned SGLang children inherit it) and set an
   did not cover exactly what decode pre-allocated).
 - GLM53_TEST_KV_REBOOTSTRAP_SHORT=<marker>: the same one token short, on a transfer marked as a
   retraction re-bootstrap (`is_rebootstrap`, which the check once skipped).
+- GLM53_TEST_KV_DROP_INDEX_K=<marker>, GLM53_TEST_KV_DROP_LATENT=<marker>: PD decode, once the
+  transfer of such a request reports success, finds the index-K bytes (or the latent rows) of
+  the prompt's last page zero in every layer: a transfer that did not carry that page on the
+  index-K channel (or the KV one) although the length it reports is right.
 - GLM53_TEST_KV_LOG=<file>: PD decode appends one JSON line per published destination: whether
-  every page whose index is being sent to prefill reads zero in every layer buffer, at the moment
-  it is sent (the ordering of zeroing and publishing).
+  every page whose index is being sent to prefill reads zero, all of its slots, in every layer
+  buffer, and for DSA in every index-K row, at the moment it is sent (the ordering of zeroing and
+  publishing, and zeroing whole pages).
 """
 
 import json
@@ -34,6 +46,9 @@ _SHORT = os.environ.get("GLM53_TEST_KV_SHORT_HANDOFF")
 _LONG = os.environ.get("GLM53_TEST_KV_LONG_HANDOFF")
 _REBOOTSTRAP = os.environ.get("GLM53_TEST_KV_REBOOTSTRAP_SHORT")
 _POISON = os.environ.get("GLM53_TEST_KV_POISON_TAIL")
+_SHARE = os.environ.get("GLM53_TEST_KV_SHARE_PAGE")
+_DROP_INDEX_K = os.environ.get("GLM53_TEST_KV_DROP_INDEX_K")
+_DROP_LATENT = os.environ.get("GLM53_TEST_KV_DROP_LATENT")
 _LOG = os.environ.get("GLM53_TEST_KV_LOG")
 
 
@@ -86,6 +101,64 @@ def _foreign_slot(allocator, owner):
     return int(others[0]) * allocator.page_size if others.numel() else None
 
 
+# rid -> (owner, last page, slots of it written) of requests seen at their latest decode step
+_partial_pages: dict = {}
+_MARGIN = 8  # the owner writes a slot per step: leave it this many steps before the stolen one
+
+
+def _track_partial_pages(result, batch, token_per_req=1, *args, **kwargs):
+    from glm53_serving import kv_owner
+
+    p = batch.tree_cache.token_to_kv_pool_allocator.page_size
+    for i, req in enumerate(batch.reqs):
+        filled = (int(batch.seq_lens_cpu[i]) + token_per_req) % p
+        page = int(result[(i + 1) * token_per_req - 1]) // p
+        _partial_pages[req.rid] = (kv_owner.owner_of(req), page, filled)
+    return result
+
+
+def _share_page(result, batch, *args, **kwargs):
+    from glm53_serving import kv_owner
+
+    out_cache_loc, rows = result[0], result[1]
+    allocator = batch.tree_cache.token_to_kv_pool_allocator
+    p, tags = allocator.page_size, kv_owner.tags_of(allocator)
+    r2t = batch.req_to_token_pool.req_to_token
+    start = 0
+    for i, req in enumerate(batch.reqs):
+        pos, n = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
+        k, start = start, start + n
+        if _SHARE not in str(req.rid) or req.__dict__.get("_kvfault_share"):
+            continue
+        req.__dict__["_kvfault_share"] = True
+        own = kv_owner.owner_of(req)
+        shared = [
+            (owner, page, filled)
+            for owner, page, filled in _partial_pages.values()
+            if owner != own and 0 < filled <= p - _MARGIN and int(tags[page]) == owner
+        ]
+        if not shared:
+            _log(fault="no_shared_page", where="extend", rid=req.rid, pos=pos)
+            continue
+        owner, page, filled = shared[-1]
+        slot = page * p + p - 1  # the page's last slot: beyond what its owner has written
+        displaced = int(out_cache_loc[k])
+        out_cache_loc[k] = slot
+        r2t[int(rows[i]), pos] = slot
+        _log(
+            fault="shared_page",
+            where="extend",
+            rid=req.rid,
+            pos=pos,
+            slot=slot,
+            owner=owner,
+            own=own,
+            filled=filled,
+            displaced=displaced,
+        )
+    return result
+
+
 def _poison(batch, rows, lens, where):
     from glm53_serving import kv_owner
 
@@ -132,6 +205,38 @@ def _wrong_length_handoff(self, decode_req, *args, **kwargs):
     return None
 
 
+def _drop_page(self, decode_req, *args, **kwargs):
+    import torch
+
+    from glm53_serving import kv_zero
+
+    req = decode_req.req
+    for marker, fault in ((_DROP_INDEX_K, "dropped_index_k_page"), (_DROP_LATENT, "dropped_latent_page")):
+        if marker is None or marker not in str(req.rid):
+            continue
+        scheduler = self.scheduler
+        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        n, p = int(req.kv.kv_committed_len), pool.page_size
+        slots = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, (n - 1) // p * p : n].to(torch.int64)
+        if fault == "dropped_latent_page":
+            bufs = [(b, (slots,)) for b in kv_zero.layer_buffers(pool)]
+        elif type(pool).__name__ == "DSATokenToKVPool":  # keys, then scales (IndexKeyCache's layout)
+            key_bytes = p * pool.index_head_dim
+            bufs = [
+                (part.view(b.shape[0], p, -1), (slots // p, slots % p))
+                for b in pool.index_key_cache.buffer
+                if b.shape[0]
+                for part in (b[:, :key_bytes], b[:, key_bytes:])
+            ]
+        else:
+            _log(fault="no_index_k", rid=req.rid)
+            continue
+        for b, idx in bufs:
+            b[idx] = 0
+        _log(fault=fault, rid=req.rid, slots=int(slots.numel()), buffers=len(bufs))
+    return None
+
+
 def _probe_publish(self, decode_req, kv_indices, page_size, *args, **kwargs):
     import torch
 
@@ -139,12 +244,37 @@ def _probe_publish(self, decode_req, kv_indices, page_size, *args, **kwargs):
 
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     slots = torch.as_tensor(kv_indices, dtype=torch.int64)
+    pages = torch.unique(slots // page_size)  # whole pages: their unwritten tails too
+    slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
     zero = all(int(torch.count_nonzero(b[slots])) == 0 for b in kv_zero.layer_buffers(pool))
-    _log(event="publish", rid=decode_req.req.rid, slots=int(slots.numel()), all_zero=zero)
+    index_k_layers = 0
+    if type(pool).__name__ == "DSATokenToKVPool":  # the index-K rows of the pages, keys and scales
+        for b in pool.index_key_cache.buffer:
+            if b.shape[0]:
+                index_k_layers += 1
+                zero = zero and int(torch.count_nonzero(b[pages])) == 0
+    _log(
+        event="publish",
+        rid=decode_req.req.rid,
+        slots=int(slots.numel()),
+        index_k_layers=index_k_layers,
+        all_zero=zero,
+    )
     return None
 
 
-if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LONG or _REBOOTSTRAP or _LOG or _POISON:
+if (
+    _FOREIGN
+    or _FOREIGN_DECODE
+    or _SHORT
+    or _LONG
+    or _REBOOTSTRAP
+    or _LOG
+    or _POISON
+    or _SHARE
+    or _DROP_INDEX_K
+    or _DROP_LATENT
+):
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if _FOREIGN:
@@ -153,6 +283,9 @@ if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LONG or _REBOOTSTRAP or _LOG or _PO
         HookRegistry.register(
             "sglang.srt.mem_cache.allocation.alloc_for_decode", _inject_foreign_decode, HookType.AFTER
         )
+    if _SHARE:
+        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _share_page, HookType.AFTER)
+        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _track_partial_pages, HookType.AFTER)
     if _POISON:
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _poison_extend, HookType.AFTER)
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _poison_decode, HookType.AFTER)
@@ -161,6 +294,10 @@ if _FOREIGN or _FOREIGN_DECODE or _SHORT or _LONG or _REBOOTSTRAP or _LOG or _PO
             "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
             _wrong_length_handoff,
             HookType.BEFORE,
+        )
+    if _DROP_INDEX_K or _DROP_LATENT:
+        HookRegistry.register(
+            "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", _drop_page, HookType.BEFORE
         )
     if _LOG:
         HookRegistry.register(
