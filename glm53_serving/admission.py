@@ -127,10 +127,12 @@ def check(
     """The admission decision. Returns the max_new_tokens to use (unchanged, or clipped when
     `clip`), or raises ClientError(context_length_exceeded) naming the field the client sent the
     prompt in (`prompt_param`: messages, prompt, text or input_ids) or `max_tokens`.
-    `max_new_tokens` None (as much as fits; SGLang stops at the window) is admitted exactly when 1
-    is: every admitted prompt has room for one output token; under an output limit it becomes
-    that limit or what fits, whichever is less. More than the output limit is
-    max_tokens_exceeded (clipped to it when `clip`)."""
+    `max_new_tokens` None (as much as fits) is admitted exactly when 1 is: every admitted prompt
+    has room for one output token. It becomes what the deployment serves, max_total_tokens -
+    prompt_tokens (or the output limit, if less): SGLang alone generates to the context window,
+    past max_model_len where pages leave slack (64-token pages: 128 tokens past it, found by the
+    isolation suite). More than the output limit is max_tokens_exceeded (clipped to it when
+    `clip`)."""
     details = {
         "prompt_tokens": prompt_tokens,
         "max_new_tokens": max_new_tokens,
@@ -148,8 +150,9 @@ def check(
             param=prompt_param,
             details=details,
         )
-    if cap is not None and max_new_tokens is None:
-        return min(cap, limits.max_total_tokens - prompt_tokens)
+    if max_new_tokens is None:
+        fits = limits.max_total_tokens - prompt_tokens
+        return fits if cap is None else min(cap, fits)
     if cap is not None and max_new_tokens > cap:
         if not clip:
             raise ClientError(

@@ -268,6 +268,15 @@ HOOKS: tuple[Hook, ...] = (
         process="scheduler",
         part="owner",
     ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+        Kind.AFTER,
+        "glm53_serving.kv_guard:report_state",
+        ("self",),
+        "/server_info (operator only) reports the pool as the KV guard sees it: pages free, "
+        "evictable and owned, requests held; after a drain and a cache flush none is owned",
+        guard=False,
+    ),
     # --- PD handoff length check (kv_handoff.py) --------------------------------------------
     Hook(
         "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf",

@@ -30,6 +30,37 @@ def publish_prealloc(result, self, req, *args, **kwargs):
     return result
 
 
+def report_state(result, self, *args, **kwargs):
+    """AFTER Scheduler.get_internal_state: the pool as the guard sees it, in /server_info's
+    `internal_states` (the operator's endpoint): pages in all, free, evictable (prefix cache) and
+    owned, and the requests the scheduler still holds. After a drain and a cache flush every
+    page is free and none is owned (the isolation suite's drain oracle reads this)."""
+    alloc = self.token_to_kv_pool_allocator
+    tags = alloc.__dict__.get(kv_owner._TAGS)
+    page = alloc.page_size
+    waiting = []
+    for name in (
+        "waiting_queue",
+        "disagg_prefill_bootstrap_queue",
+        "disagg_prefill_inflight_queue",
+        "disagg_decode_prealloc_queue",
+        "disagg_decode_transfer_queue",
+    ):
+        queue = getattr(self, name, None)
+        waiting.append(queue if isinstance(queue, list) else getattr(queue, "queue", []))
+    running = getattr(self, "running_batch", None)
+    result.internal_state["glm53_kv"] = {
+        "page_size": page,
+        "pages": alloc.size // page,
+        "free_pages": alloc.available_size() // page,
+        "evictable_pages": int(self.tree_cache.evictable_size()) // page,
+        "owned_pages": None if tags is None else int(torch.count_nonzero(tags)),
+        "running_requests": len(running.reqs) if running is not None else 0,
+        "queued_requests": sum(len(q) for q in waiting),
+    }
+    return result
+
+
 def allocator_problems(allocator) -> list[str]:
     """Why the parts switched on cannot guard this scheduler's allocator (empty: they can).
     The owner part needs the zeroing code too: a quarantined row gets fresh zeroed pages."""

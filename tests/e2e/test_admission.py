@@ -196,6 +196,10 @@ def served_exactly(url, prompt, total, limits=(P, T)):
         assert err["param"] == "max_tokens"
     err = assert_contract_400(generate(prompt + 1, 1), prompt_at_least=prompt + 1, limits=limits)
     assert err["param"] == "input_ids"
+    # No max_tokens: the rest of the budget, not what SGLang's context window would allow (with
+    # 64-token pages a largest prompt got 127 tokens where 1 is served).
+    unset = generate(prompt, None)
+    assert unset.status_code == 200 and unset.json()["meta_info"]["completion_tokens"] == total - prompt, unset.text
 
 
 @pytest.mark.parametrize("where", ["single", "pd"])

@@ -152,8 +152,10 @@ def test_an_admitted_prompt_always_has_room_for_output_and_clip_never_goes_below
             assert e.code == "context_length_exceeded"
             return False, None
 
-    takes_null, _ = admitted(None)
+    takes_null, filled = admitted(None)
     assert takes_null == admitted(0)[0] == admitted(1)[0] == (prompt < limits.max_input_tokens)
+    if takes_null:  # filled in with exactly what is served: SGLang alone would go to the window
+        assert filled == limits.max_total_tokens - prompt >= 1
     ok, allowed = admitted(requested, clip=True)
     assert ok == takes_null
     if ok and requested is not None:

@@ -31,6 +31,13 @@ Put this directory on PYTHONPATH (spawned SGLang children inherit it) and set an
   transfer of such a request reports success, finds the index-K bytes (or the latent rows) of
   the prompt's last page zero in every layer: a transfer that did not carry that page on the
   index-K channel (or the KV one) although the length it reports is right.
+- GLM53_TEST_KV_CANARY=<file>: a KV-level canary that does not trust the guard it watches (the
+  isolation suite's, glm53_serving/suite): it keeps its own record of which cache namespace last
+  wrote each slot (what the forward writes: `out_cache_loc`; in PD decode, the transfer's
+  destination), and at every batch build appends a JSON line for each request whose row, up to
+  its length, reaches a slot another namespace wrote (`kv_read_foreign`), and for each slot handed
+  out that does not read zero in every layer buffer before its request writes it
+  (`fresh_not_zero`). It runs before the plugin's own check on the same targets.
 - GLM53_TEST_KV_LOG=<file>: PD decode appends one JSON line per published destination: whether
   every page whose index is being sent to prefill reads zero, all of its slots, in every layer
   buffer, and for DSA in every index-K row, at the moment it is sent (the ordering of zeroing and
@@ -49,6 +56,7 @@ _POISON = os.environ.get("GLM53_TEST_KV_POISON_TAIL")
 _SHARE = os.environ.get("GLM53_TEST_KV_SHARE_PAGE")
 _DROP_INDEX_K = os.environ.get("GLM53_TEST_KV_DROP_INDEX_K")
 _DROP_LATENT = os.environ.get("GLM53_TEST_KV_DROP_LATENT")
+_CANARY = os.environ.get("GLM53_TEST_KV_CANARY")
 _LOG = os.environ.get("GLM53_TEST_KV_LOG")
 
 
@@ -77,8 +85,10 @@ def _inject(batch, rows, positions, marker, where):
             _log(fault="no_foreign_slot", where=where, rid=req.rid, pos=pos)
             continue
         r2t[row, pos] = slot
-        page = slot // allocator.page_size
-        _log(fault="foreign_index", where=where, rid=req.rid, pos=pos, slot=slot, owner=int(tags[page]), own=owner)
+        slot_owner = int(tags[slot // allocator.page_size])
+        if not slot_owner and _CANARY:  # owner tags off: whom the canary saw write it
+            slot_owner = int(_writer_table(allocator)[slot])
+        _log(fault="foreign_index", where=where, rid=req.rid, pos=pos, slot=slot, owner=slot_owner, own=owner)
 
 
 def _inject_foreign(result, batch, *args, **kwargs):
@@ -98,7 +108,13 @@ def _foreign_slot(allocator, owner):
 
     tags = kv_owner.tags_of(allocator)
     others = torch.nonzero((tags != 0) & (tags != owner)).flatten()
-    return int(others[0]) * allocator.page_size if others.numel() else None
+    if others.numel():
+        return int(others[0]) * allocator.page_size
+    if _CANARY:  # owner tags off (the incident reintroduced): a slot the canary saw another namespace write
+        writers = _writer_table(allocator)
+        others = torch.nonzero((writers != 0) & (writers != owner)).flatten()
+        return int(others[-1]) if others.numel() else None
+    return None
 
 
 # rid -> (owner, last page, slots of it written) of requests seen at their latest decode step
@@ -157,6 +173,84 @@ def _share_page(result, batch, *args, **kwargs):
             displaced=displaced,
         )
     return result
+
+
+_writers: dict = {}  # id(allocator) -> int64 tensor: the namespace that last wrote each slot
+
+
+def _canary_log(**event):
+    with open(_CANARY, "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def _writer_table(allocator):
+    import torch
+
+    table = _writers.get(id(allocator))
+    if table is None:
+        table = _writers[id(allocator)] = torch.zeros(allocator.size + 2 * allocator.page_size, dtype=torch.int64)
+    return table
+
+
+def _canary(batch, rows, lens, fresh, counts, where):
+    """`fresh`: the slots this batch build handed out, `counts[i]` of them request i's, in order."""
+    import torch
+
+    from glm53_serving import kv_owner, kv_zero
+
+    allocator = batch.tree_cache.token_to_kv_pool_allocator
+    writers = _writer_table(allocator)
+    pool = allocator.get_kvcache()
+    fresh = fresh.to(torch.int64)
+    start = 0
+    for i, req in enumerate(batch.reqs):
+        mine = fresh[start : start + counts[i]]
+        start += counts[i]
+        owner = kv_owner.owner_of(req)
+        dirty = sum(int(torch.count_nonzero(b[mine])) for b in kv_zero.layer_buffers(pool)) if mine.numel() else 0
+        if dirty:
+            _canary_log(event="fresh_not_zero", where=where, rid=req.rid, slots=int(mine.numel()), nonzero=dirty)
+        writers[mine] = owner  # this forward writes them
+        row = batch.req_to_token_pool.req_to_token[int(rows[i]), : int(lens[i])].to(torch.int64)
+        wrote = writers[row]
+        foreign = (wrote != 0) & (wrote != owner)
+        if bool(foreign.any()):
+            _canary_log(
+                event="kv_read_foreign",
+                where=where,
+                rid=req.rid,
+                own=owner,
+                writers=sorted({int(w) for w in wrote[foreign].tolist()}),
+                positions=int(foreign.sum()),
+            )
+
+
+def _canary_extend(result, batch, *args, **kwargs):
+    _canary(batch, result[1], batch.seq_lens_cpu, result[0], list(batch.extend_lens), "extend")
+    return result
+
+
+def _canary_decode(result, batch, token_per_req=1, *args, **kwargs):
+    _canary(
+        batch,
+        batch.req_pool_indices,
+        batch.seq_lens_cpu + token_per_req,
+        result,
+        [token_per_req] * len(batch.reqs),
+        "decode",
+    )
+    return result
+
+
+def _canary_prealloc(kv_loc, queue, req, *args, **kwargs):
+    """PD decode: the transfer writes the destination with the request's KV."""
+    if kv_loc is not None:
+        import torch
+
+        from glm53_serving import kv_owner
+
+        _writer_table(queue.token_to_kv_pool_allocator)[kv_loc.to(torch.int64)] = kv_owner.owner_of(req)
+    return kv_loc
 
 
 def _poison(batch, rows, lens, where):
@@ -298,6 +392,12 @@ if (
     if _DROP_INDEX_K or _DROP_LATENT:
         HookRegistry.register(
             "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", _drop_page, HookType.BEFORE
+        )
+    if _CANARY:  # after the faults above on the same targets: it sees what they did
+        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _canary_extend, HookType.AFTER)
+        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_decode", _canary_decode, HookType.AFTER)
+        HookRegistry.register(
+            "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc", _canary_prealloc, HookType.AFTER
         )
     if _LOG:
         HookRegistry.register(

@@ -1,0 +1,338 @@
+"""python -m glm53_serving.suite: the isolation suite against real topologies (see __init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import tomllib
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import tomli_w
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from glm53_serving import env, tenants
+from glm53_serving.bench.serving import start, stop
+from glm53_serving.suite import oracles
+from glm53_serving.suite.oracles import Finding, Outcome
+from glm53_serving.suite.workload import Call, Served, from_json, to_json, workloads
+from glm53_serving.topology import default_config_path
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = REPO / "tests" / "support" / "kv_fault"  # test-only: the KV canary and the incident's fault
+TENANTS = ["suite-a", "suite-b", "suite-c", "suite-d"]
+INCIDENT_RID = "suite-incident"  # rids the harness gives another tenant's live slot (GLM53_TEST_KV_FOREIGN)
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    interleavings: int  # per topology
+    min_calls: int
+    max_calls: int
+    max_new_cap: int
+    bound_s: float  # nothing waits longer
+
+
+PROFILES = {
+    # 8 x >= 25 calls: at least 200 interleaved requests per topology, a few minutes each on 2 cores
+    "ci": Profile(interleavings=8, min_calls=25, max_calls=32, max_new_cap=16, bound_s=180),
+    "thorough": Profile(interleavings=120, min_calls=25, max_calls=64, max_new_cap=96, bound_s=600),
+}
+
+
+@dataclass
+class Target:
+    """A deployment the suite talks to: its client URL, each tenant's key, its workers."""
+
+    name: str
+    url: str
+    keys: dict[str, str]
+    workers: dict[str, str]
+    admin: dict[str, str]
+    canary_log: Path | None = None
+    fault_log: Path | None = None
+    proc: object = None
+    seen: dict[Path, int] = field(default_factory=dict)
+
+    def new_events(self, path: Path | None) -> list[dict]:
+        if path is None or not path.exists():
+            return []
+        text = path.read_text()
+        start_at, self.seen[path] = self.seen.get(path, 0), len(text)
+        return [json.loads(line) for line in text[start_at:].splitlines() if line.strip()]
+
+
+# --- deployments -------------------------------------------------------------------------------
+
+
+def launch(topology: str, out: Path, reintroduce: bool) -> Target:
+    """The launcher's default topology file, with four tenants of the suite's own, and the KV
+    canary (and, to reintroduce the incident, the guards off and a stale-row read) in every
+    process."""
+    run = out / f"run-{topology}"
+    run.mkdir(parents=True, exist_ok=True)
+    tenants_file = run / "suite-tenants.toml"
+    keys = {t: tenants.add_tenant(tenants_file, t) for t in TENANTS}
+    conf = tomllib.loads(default_config_path().read_text())
+    conf["tenants"] = {**conf.get("tenants", {}), "mode": "file", "file": str(tenants_file)}
+    cfg = run / "suite.toml"
+    cfg.write_text(tomli_w.dumps(conf))
+    canary, faults = run / "kv-canary.jsonl", run / "kv-faults.jsonl"
+    extra = {"PYTHONPATH": str(HARNESS), "GLM53_TEST_KV_CANARY": str(canary), "GLM53_TEST_KV_LOG": str(faults)}
+    if reintroduce:
+        extra |= {env.KV_GUARD_OFF.name: "zero,owner,handoff", "GLM53_TEST_KV_FOREIGN": INCIDENT_RID}
+    proc, info = start(run / "launch", "--config", str(cfg), "--topology", topology, env=extra)
+    t = info["tenants"]
+    admin = tenants.mint(tenants.load_assertion_key(t["assertion_key_file"]), "admin", deployment=t["deployment"])
+    workers = {
+        p["name"]: p["url"]
+        for p in info["processes"]
+        if p["name"] == "server" or p["name"].startswith(("prefill-", "decode-"))
+    }
+    return Target(
+        topology, info["client_url"], keys, workers, {"Authorization": f"Bearer {admin}"}, canary, faults, proc
+    )
+
+
+def served(target: Target) -> Served:
+    key = target.keys[TENANTS[0]]
+    (m,) = httpx.get(f"{target.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()["data"]
+    page = 1
+    for url in target.workers.values():
+        info = httpx.get(f"{url}/server_info", headers=target.admin, timeout=30).json()
+        page = max(page, info["glm53_serving"]["capacity"]["page_size"])
+    return Served(m["max_input_tokens"], m["max_model_len"], m.get("max_output_tokens"), page)
+
+
+def kv_states(target: Target) -> dict[str, dict]:
+    out = {}
+    for name, url in target.workers.items():
+        info = httpx.get(f"{url}/server_info", headers=target.admin, timeout=30).json()
+        (out[name],) = [s["glm53_kv"] for s in info["internal_states"]]
+    return out
+
+
+def idle_states(target: Target, bound_s: float) -> dict[str, dict]:
+    """Each worker's state once it holds no request (or at the bound: the drain oracle says so)."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        states = kv_states(target)
+        if all(not s["running_requests"] and not s["queued_requests"] for s in states.values()):
+            return states
+        if time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
+
+
+def flush(target: Target) -> None:
+    for url in target.workers.values():
+        httpx.post(f"{url}/flush_cache", headers=target.admin, timeout=60)
+
+
+# --- one call, one interleaving ----------------------------------------------------------------
+
+
+def send(target: Target, call: Call, rid: str, timeout: float) -> Outcome:
+    body = {
+        "rid": rid,
+        "input_ids": list(call.prompt),
+        "stream": call.stream,
+        "sampling_params": {"max_new_tokens": call.max_new, "temperature": 0, "ignore_eos": True},
+    }
+    headers = {"Authorization": f"Bearer {target.keys[call.tenant]}"}
+    t0 = time.monotonic()
+    try:
+        if not call.stream:
+            r = httpx.post(f"{target.url}/generate", json=body, headers=headers, timeout=timeout)
+            ok = r.status_code == 200
+            return Outcome(
+                r.status_code, _code(r.text), r.json()["output_ids"] if ok else None, r.text, _since(t0), False
+            )
+        # Leaving before the first token: a read timeout far shorter than a forward pass.
+        read = 0.02 if call.disconnect == "before_first" else timeout
+        with httpx.stream(
+            "POST", f"{target.url}/generate", json=body, headers=headers, timeout=httpx.Timeout(timeout, read=read)
+        ) as r:
+            if r.status_code != 200:
+                text = r.read().decode(errors="replace")
+                return Outcome(r.status_code, _code(text), None, text, _since(t0), False)
+            lines, last = [], None
+            for line in r.iter_lines():
+                lines.append(line)
+                data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+                if not data or data == "[DONE]":
+                    continue
+                last = json.loads(data)
+                if call.disconnect == "mid":
+                    return Outcome(200, None, None, "\n".join(lines), _since(t0), True)
+            text = "\n".join(lines)
+            code = (last or {}).get("error", {}).get("code") if isinstance(last, dict) else None
+            return Outcome(200, code, (last or {}).get("output_ids"), text, _since(t0), False)
+    except httpx.TimeoutException:
+        if call.disconnect == "before_first":
+            return Outcome(None, None, None, "", _since(t0), True)
+        return Outcome(None, "client_timeout", None, "", _since(t0), False)
+
+
+def _since(t0: float) -> float:
+    return time.monotonic() - t0
+
+
+def _code(text: str) -> str | None:
+    try:
+        err = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return err.get("code") if isinstance(err, dict) else None
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    interleavings: int = 0
+    faults_injected: int = 0
+    faults_confirmed: int = 0
+    findings: list[Finding] = field(default_factory=list)
+    solo: dict[str, dict] = field(default_factory=dict)  # topology -> solo_key -> output_ids
+
+
+def interleave(target: Target, calls: list[Call], profile: Profile, shape: Served, tally: Tally, tag: str) -> list:
+    """Send `calls` at once, then each distinct call alone; judge them. Returns the findings."""
+    n = tally.interleavings
+    tally.interleavings += 1
+    # "." ends the call's number (suite-pd-3-1. is no prefix of suite-pd-3-10.)
+    rids = [f"suite-{tag}-{n}-{i}." + (INCIDENT_RID if c.incident else "") for i, c in enumerate(calls)]
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        outcomes = list(pool.map(lambda ci: send(target, ci[0], ci[1], profile.bound_s), zip(calls, rids)))
+    tally.requests += len(calls)
+    seen = Counter("left" if o.left else f"{o.status} {o.code or ''}".strip() for o in outcomes)
+    print(f"suite [{tag}] interleaving {n}: {len(calls)} calls: {dict(sorted(seen.items()))}", file=sys.stderr)
+    solo = tally.solo.setdefault(target.name, {})
+    for c in calls:
+        if oracles.predicted(c, shape)[0] == 200 and c.solo_key not in solo:
+            alone = send(target, Call(c.tenant, c.prompt, c.max_new, False), f"suite-{tag}-{n}-solo.", profile.bound_s)
+            if alone.status == 200:
+                solo[c.solo_key] = alone.output_ids
+    before = idle_states(target, profile.bound_s)
+    found = [
+        *oracles.status(calls, outcomes, shape, profile.bound_s),
+        *oracles.differential(calls, outcomes, solo, shape),
+        *oracles.canary(calls, outcomes, TENANTS),
+        *oracles.drain(before, {}),
+        *kv_canary(target, rids),
+    ]
+    return found
+
+
+def kv_canary(target: Target, rids: list[str]) -> list[Finding]:
+    """The harness's KV-level canary (a request's row reached a slot another namespace wrote; a
+    handed-out slot was not zero), for this interleaving's requests and their solo runs."""
+    out = []
+    for e in target.new_events(target.canary_log):
+        rid = str(e.get("rid", ""))
+        call = next((i for i, r in enumerate(rids) if rid.startswith(r.removesuffix(INCIDENT_RID))), None)
+        what = "reached KV another tenant wrote" if e["event"] == "kv_read_foreign" else "was handed unzeroed slots"
+        out.append(Finding("canary", call, f"request {rid} {what} ({e['where']}): {e}"))
+    return out
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def explore(target: Target, profile: Profile, shape: Served, tally: Tally, out: Path, reintroduce: bool) -> None:
+    strategy = workloads(shape, TENANTS, profile.min_calls, profile.max_calls, profile.max_new_cap)
+
+    @settings(
+        max_examples=profile.interleavings,
+        database=DirectoryBasedExampleDatabase(str(out / "hypothesis-db")),
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # no shrinking against live servers
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        verbosity=Verbosity.quiet,  # the failing interleaving is saved as JSON, not printed
+    )
+    @given(strategy)
+    def one(calls):
+        if reintroduce:  # the incident: one call reads another tenant's live KV, with the guards off
+            k = next((i for i in range(len(calls) - 1, -1, -1) if oracles.predicted(calls[i], shape)[0] == 200), None)
+            if k is not None:
+                calls = [*calls[:k], _incident(calls[k]), *calls[k + 1 :]]
+        found = interleave(target, calls, profile, shape, tally, target.name)
+        tally.findings.extend(found)
+        if found:
+            trace = out / f"failure-{target.name}-{tally.interleavings}.json"
+            trace.write_text(to_json(calls, TENANTS))
+            raise AssertionError(f"{len(found)} findings; replay: --replay {trace}")
+
+    try:
+        one()
+    except AssertionError as e:
+        print(f"suite [{target.name}]: {e}", file=sys.stderr)
+
+
+def _incident(call: Call) -> Call:
+    return Call(call.tenant, call.prompt, call.max_new, False, incident=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m glm53_serving.suite", description=__doc__)
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="ci")
+    ap.add_argument("--topology", choices=["single", "pd", "both"], default="both")
+    ap.add_argument(
+        "--reintroduce-incident", action="store_true", help="guards off plus a stale-row read: must be caught"
+    )
+    ap.add_argument("--replay", type=Path, help="a failure's JSON trace: send that interleaving again")
+    ap.add_argument("--out", type=Path, default=Path("suite-out"))
+    ap.add_argument("--interleavings", type=int, help="per topology, instead of the profile's")
+    a = ap.parse_args(argv)
+    profile = PROFILES[a.profile]
+    if a.interleavings:
+        profile = dataclasses.replace(profile, interleavings=a.interleavings)
+    a.out.mkdir(parents=True, exist_ok=True)
+    tally = Tally()
+    for topology in ("single", "pd") if a.topology == "both" else (a.topology,):
+        target = launch(topology, a.out, a.reintroduce_incident)
+        try:
+            shape = served(target)
+            if a.replay:
+                calls, _ = from_json(a.replay.read_text())
+                tally.findings += interleave(target, calls, profile, shape, tally, "replay")
+            else:
+                explore(target, profile, shape, tally, a.out, a.reintroduce_incident)
+            if not tally.findings:
+                flush(target)
+                tally.findings += oracles.drain({}, idle_states(target, profile.bound_s))
+            confirm_faults(target, tally)
+        finally:
+            stop(target.proc)
+    tally.findings += oracles.cross_topology(tally.solo)
+    for f in tally.findings:
+        print(f"suite: [{f.oracle}] call {f.call}: {f.detail}", file=sys.stderr)
+    leaks = sum(f.oracle in oracles.LEAK_ORACLES for f in tally.findings)
+    fired = len({f.oracle for f in tally.findings})
+    print(
+        f"suite: requests={tally.requests} tenants={len(TENANTS)} interleavings={tally.interleavings} "
+        f"faults={tally.faults_injected}/{tally.faults_confirmed} confirmed leaks={leaks} oracles_fired={fired}"
+    )
+    unconfirmed = tally.faults_confirmed < tally.faults_injected
+    return 1 if tally.findings or unconfirmed else 0
+
+
+def confirm_faults(target: Target, tally: Tally) -> None:
+    """The incident's stale-row read counts as injected when a call carried its rid, and as
+    confirmed when the harness logged that it wrote another tenant's live slot into the row."""
+    for e in target.new_events(target.fault_log):
+        if e.get("fault") in ("foreign_index", "no_foreign_slot"):
+            tally.faults_injected += 1
+            tally.faults_confirmed += e["fault"] == "foreign_index" and e["owner"] not in (0, e["own"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

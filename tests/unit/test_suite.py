@@ -1,0 +1,114 @@
+"""The isolation suite's own parts: its workloads keep each tenant's marker to that tenant, its
+status oracle predicts exactly what admission.check decides, and each oracle fires on what it
+names and on nothing else (glm53_serving/suite; its runs against real servers: tests/e2e/test_suite.py)."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from glm53_serving.admission import Limits, check
+from glm53_serving.errors import ClientError
+from glm53_serving.suite import oracles
+from glm53_serving.suite.oracles import Outcome
+from glm53_serving.suite.workload import MARKER_LEN, Call, Served, from_json, marker, to_json, workloads
+
+TENANTS = ["suite-a", "suite-b", "suite-c"]
+SHAPE = Served(max_prompt=383, max_model_len=384, max_output=None, page=64)
+
+
+def holds(ids, seq) -> bool:
+    return any(tuple(ids[k : k + len(seq)]) == seq for k in range(len(ids) - len(seq) + 1))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(SHAPE, TENANTS, 4, 12, 16))
+def test_a_workload_marks_each_prompt_with_its_tenant_only_and_spans_the_limit(calls):
+    for c in calls:
+        assert holds(c.prompt, marker(TENANTS, c.tenant))
+        assert not any(holds(c.prompt, marker(TENANTS, t)) for t in TENANTS if t != c.tenant)
+        assert MARKER_LEN < len(c.prompt) <= SHAPE.max_prompt + 40
+        assert c.disconnect is None or c.stream
+    assert from_json(to_json(calls, TENANTS)) == (calls, TENANTS)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    prompt=st.integers(1, 450),
+    max_new=st.one_of(st.none(), st.integers(1, 500)),
+    cap=st.one_of(st.none(), st.integers(1, 400)),
+)
+def test_the_status_oracle_predicts_what_admission_decides(prompt, max_new, cap):
+    shape = Served(383, 384, cap, 64)
+    try:
+        check(Limits(384, 384, 512, max_output_tokens=cap), prompt, max_new)
+        decided = (200, None)
+    except ClientError as e:
+        decided = (400, e.code)
+    assert oracles.predicted(Call("suite-a", (5,) * prompt, max_new, False), shape) == decided
+
+
+def out(ids=None, status=200, code=None, body="", left=False, seconds=1.0):
+    return Outcome(status, code, ids, body, seconds, left)
+
+
+def test_the_differential_oracle_fires_on_other_tokens_or_another_length_only():
+    c = Call("suite-a", (5, 6, 7, 8), 3, False)
+    solo = {c.solo_key: [1, 2, 3]}
+    assert oracles.differential([c], [out([1, 2, 3])], solo, SHAPE) == []
+    assert oracles.differential([c], [out(left=True)], solo, SHAPE) == []  # the client left
+    (f,) = oracles.differential([c], [out([1, 9, 3])], solo, SHAPE)
+    assert f.oracle == "differential" and "at token 1" in f.detail
+    (f,) = oracles.differential([c], [out([1, 2])], solo, SHAPE)
+    assert "2 tokens, not 3" in f.detail
+    unset = Call("suite-a", (5,) * 380, None, False)  # no max_tokens: the rest of the budget
+    assert oracles.differential([unset], [out([1] * 4)], {}, SHAPE) == []
+
+
+def test_the_canary_fires_on_another_tenants_marker_or_name_not_on_its_own():
+    c = Call("suite-a", (5, 6, 7, 8), 8, False)
+    mine, theirs = list(marker(TENANTS, "suite-a")), list(marker(TENANTS, "suite-b"))
+    assert oracles.canary([c], [out([1, *mine, 2], body="suite-a")], TENANTS) == []
+    (f,) = oracles.canary([c], [out([1, *theirs, 2])], TENANTS)
+    assert "suite-b's marker" in f.detail
+    (f,) = oracles.canary([c], [out([1], body='{"error": "not yours: suite-c"}')], TENANTS)
+    assert "names tenant suite-c" in f.detail
+
+
+def test_the_status_oracle_fires_on_a_wrong_status_or_code_or_a_wait_past_the_bound():
+    over = Call("suite-a", (5,) * 384, 1, False)
+    ok = Call("suite-a", (5,) * 10, 4, True)
+    assert oracles.status([over, ok], [out(status=400, code="context_length_exceeded"), out([1] * 4)], SHAPE, 60) == []
+    (f,) = oracles.status([over], [out([1])], SHAPE, 60)  # the incident's signature: a 200
+    assert "the formula says 400 context_length_exceeded" in f.detail
+    (f,) = oracles.status([ok], [out([1] * 4, seconds=61)], SHAPE, 60)
+    assert "bound" in f.detail
+    (f,) = oracles.status([ok], [out(code="kv_isolation_violation")], SHAPE, 60)  # a 200 that ends in an error
+    assert "got 200 kv_isolation_violation" in f.detail
+
+
+def state(pages=32, free=32, evictable=0, owned=0, running=0, queued=0):
+    return {
+        "pages": pages,
+        "free_pages": free,
+        "evictable_pages": evictable,
+        "owned_pages": owned,
+        "running_requests": running,
+        "queued_requests": queued,
+        "page_size": 64,
+    }
+
+
+@pytest.mark.parametrize(
+    "before, after, fires",
+    [
+        (state(free=30, evictable=2, owned=2), state(), False),  # two cached pages, then flushed
+        (state(free=30, evictable=2, owned=None), state(owned=None), False),  # owner part off: tags unknown
+        (state(running=1), state(), True),  # a request still held
+        (state(free=29, evictable=2, owned=3), state(), True),  # a page in use that no cache holds
+        (state(free=30, evictable=2, owned=3), state(), True),  # a tag on a free page
+        (state(), state(free=31), True),  # a page not back after the flush
+        (state(), state(owned=1), True),  # a tag left after the flush
+    ],
+)
+def test_the_drain_oracle(before, after, fires):
+    assert bool(oracles.drain({"w": before}, {"w": after})) == fires
