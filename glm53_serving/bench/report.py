@@ -112,6 +112,7 @@ def plot(points: list[dict], path: Path) -> None:
                 axis.plot(conc, ys, style, color=color, label=f"{NAMES[side]} {label}")
         ax.set(title=topology, xlabel="concurrency", ylabel="output tok/s (solid)", xscale="log", xticks=conc)
         ax.set_xticklabels([str(c) for c in conc])
+        ax.minorticks_off()  # a log axis's minor labels (2×10⁰, ...) only clutter 1, 4, 16
         ttft.set_ylabel("TTFT p50, ms (dashed)")
         ax.set_ylim(bottom=0)
         ttft.set_ylim(bottom=0)
