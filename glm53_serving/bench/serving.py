@@ -84,9 +84,27 @@ def credential(info: dict, side: str, tenant: str = "demo") -> str:
     return tenants.mint(key, tenant, ttl_s=tenants.MAX_TTL_S["tenant"], deployment=t["deployment"])
 
 
-def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[dict]:
+def fixed_length_prompts(a) -> list[str]:
+    """The load generator's dataset arguments here: random-ids, every prompt a.input_len tokens in
+    and a.output_len out."""
+    return [
+        "--dataset-name",
+        "random-ids",
+        "--tokenizer",
+        str(tiny.ensure()),  # every embedded preset has the same tokenizer (models/tiny.py)
+        "--random-input-len",
+        str(a.input_len),
+        "--random-output-len",
+        str(a.output_len),
+        "--random-range-ratio",
+        "1.0",
+    ]
+
+
+def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int, dataset: list[str] | None = None) -> list[dict]:
     """SGLang's own load generator, one client per (url, result file, credential, dataset seed),
-    all at once; each one's result record (bench_serving's keys)."""
+    all at once; each one's result record (bench_serving's keys). `dataset`: its dataset arguments
+    (default fixed_length_prompts(a))."""
     procs = []
     for url, out, key, seed in jobs:
         args = [
@@ -94,20 +112,11 @@ def bench(jobs: list[tuple[str, Path, str, int]], a, concurrency: int) -> list[d
             "sglang",
             "--base-url",
             url,
-            "--dataset-name",
-            "random-ids",
-            "--tokenizer",
-            str(tiny.ensure()),  # every embedded preset has the same tokenizer (models/tiny.py)
+            *(fixed_length_prompts(a) if dataset is None else dataset),
             "--model",
             a.model,
             "--num-prompts",
             str(a.num_prompts),
-            "--random-input-len",
-            str(a.input_len),
-            "--random-output-len",
-            str(a.output_len),
-            "--random-range-ratio",
-            "1.0",
             "--request-rate",
             str(a.request_rate),
             "--max-concurrency",
