@@ -12,18 +12,21 @@ Attack/incident closed: in the incident, prefill forwarded a one-token placehold
 over-length prompt and decode attended over the rest of its pre-allocated pages, which nothing
 had written (upstream today: prefill and decode truncating to different lengths). Decode cannot
 see which pages a transfer wrote; it can compare the length prefill says it sent, and, because
-the "zero" part hands the destination out zeroed, see which slots are still zero: written KV
-is never all zero (a latent row is an RMS-normalised vector with its RoPE part; an index key's
-fp32 scale is its absolute maximum over 448). One layer of each buffer kind is read (the last
-that has rows: a transfer sends a page in every layer or fails), as integers of the element's
-width so that a -0.0 counts as written.
+the "zero" part hands the destination out zeroed, count the prompt slots that still read zero,
+per buffer kind, and compare that with the count prefill says it sent. Real KV is almost never
+zero, but a token whose embedding row is zero (padding, in a model without biases) gives a zero
+latent row in every layer, and a client may send one: prefill counts, so that only a slot the
+transfer left unwritten is a mismatch. One layer of each buffer kind is read (the last that has
+rows: a transfer sends a page in every layer or fails), as integers of the element's width so
+that a -0.0 counts as written.
 
 How: the metadata buffer's `cached_tokens` row is int32 (size, 16) and slots 7-15 are unused
 upstream (disaggregation/utils.py MetadataBuffers.set_buf). Prefill writes
-`len(req.origin_input_ids)` into `LENGTH_SLOT` (AFTER set_buf); decode compares it with
-`req.kv.kv_committed_len`, the length `_pre_alloc` reserved and published (AFTER
-`DecodeTransferQueue._commit_transfer_to_req`), and clears the slot so a later owner of the
-metadata slot can never pass on a stale value. No wire layout changes.
+`len(req.origin_input_ids)` into `LENGTH_SLOT` and its zero counts into `ZERO_SLOTS` (AFTER
+set_buf, when the prompt's KV is computed and about to be sent); decode compares the length with
+`req.kv.kv_committed_len`, the length `_pre_alloc` reserved and published, and the counts with
+its own (AFTER `DecodeTransferQueue._commit_transfer_to_req`), and clears the slots so a later
+owner of the metadata slot can never pass on a stale value. No wire layout changes.
 """
 
 from __future__ import annotations
@@ -40,12 +43,36 @@ from glm53_serving.metrics import KV_VIOLATIONS
 logger = logging.getLogger("glm53_serving")
 
 LENGTH_SLOT = 7
+ZERO_SLOTS = (8, 9)  # prompt slots prefill sent that read zero: KV rows, index-K scales
+KINDS = ("KV slots", "index-K slots")
 MISMATCH_CODE = "kv_handoff_mismatch"  # FINISH_ABORT.err_type; http_guard maps it to the contract
 
 
+# (req_to_token_pool, allocator) of this process's prefill scheduler (attach(), at start-up):
+# MetadataBuffers.set_buf, where prefill writes what it sends, sees only the request.
+_prefill_memory: tuple | None = None
+
+
+def attach(scheduler) -> None:
+    """Start-up, on a PD prefill scheduler: where carry_prompt_length reads the sent KV."""
+    global _prefill_memory
+    _prefill_memory = (scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator)
+
+
 def carry_prompt_length(result, self, req, *args, **kwargs):
-    """Prefill, AFTER MetadataBuffers.set_buf."""
-    self.cached_tokens[req.metadata_buffer_index][LENGTH_SLOT] = len(req.origin_input_ids)
+    """Prefill, AFTER MetadataBuffers.set_buf: the prompt length, and how many of the prompt's
+    slots it sends read zero per buffer kind (a prompt can hold such tokens: a zero embedding
+    row, e.g. padding, gives zero KV in a model without biases); -1 where it cannot tell."""
+    row = self.cached_tokens[req.metadata_buffer_index]
+    n = len(req.origin_input_ids)
+    row[LENGTH_SLOT] = n
+    zeros = [-1] * len(ZERO_SLOTS)
+    if _prefill_memory is not None:
+        req_to_token_pool, allocator = _prefill_memory
+        slots = req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
+        zeros = zero_counts(allocator.get_kvcache(), slots)
+    for slot, count in zip(ZERO_SLOTS, zeros):
+        row[slot] = count
     return result
 
 
@@ -60,8 +87,10 @@ def check_prompt_length(result, self, decode_req, *args, **kwargs):
 
     req = decode_req.req
     idx = decode_req.metadata_buffer_index
-    carried = int(self.metadata_buffers.cached_tokens[idx][LENGTH_SLOT])
-    self.metadata_buffers.cached_tokens[idx][LENGTH_SLOT] = 0
+    row = self.metadata_buffers.cached_tokens[idx]
+    carried, sent_zero = int(row[LENGTH_SLOT]), [int(row[s]) for s in ZERO_SLOTS]
+    for slot in (LENGTH_SLOT, *ZERO_SLOTS):  # a later user of the metadata slot sees nothing stale
+        row[slot] = 0
     if isinstance(req.finished_reason, FINISH_ABORT) or _is_fake_transfer(req):
         # Already aborted; or no prefill involved at all: the server's own health probe (intake
         # refuses the fake bootstrap host from clients, server_flags the fake transfer backend).
@@ -76,9 +105,13 @@ def check_prompt_length(result, self, decode_req, *args, **kwargs):
         return result
     scheduler = self.scheduler
     slots = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :expected]
-    missing = unwritten(scheduler.token_to_kv_pool_allocator.get_kvcache(), slots)
+    found = zero_counts(scheduler.token_to_kv_pool_allocator.get_kvcache(), slots)
+    missing = {what: got - sent for what, got, sent in zip(KINDS, found, sent_zero) if got != sent}
     if missing:
-        why = f"prefill's transfer left {', '.join(f'{n} {what}' for what, n in missing.items())} unwritten"
+        why = (
+            f"prefill's transfer left {', '.join(f'{n} {what}' for what, n in missing.items())} unwritten "
+            f"(zero on decode: {found}, as sent: {sent_zero})"
+        )
         _abort(req, prepare_abort, why, carried=carried, expected=expected, unwritten=missing)
     return result
 
@@ -99,9 +132,9 @@ def _abort(req, prepare_abort, why: str, **event) -> None:
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def unwritten(pool, slots: torch.Tensor) -> dict[str, int]:
-    """How many of `slots` still read zero, per buffer kind ("KV slots", "index-K slots"); empty
-    when every slot was written. One device-to-host sync."""
+def zero_counts(pool, slots: torch.Tensor) -> list[int]:
+    """How many of `slots` read zero, per buffer kind (KINDS; 0 index-K slots where the pool
+    has none). One device-to-host sync."""
     slots = slots.to(torch.int64)
     last = kv_zero.layer_buffers(pool)[-1]
     rows = last[slots]
@@ -112,5 +145,6 @@ def unwritten(pool, slots: torch.Tensor) -> dict[str, int]:
         p = pool.page_size
         scales = buf[:, p * pool.index_head_dim :].view(buf.shape[0], p, -1)[slots // p, slots % p]
         counts.append((~(scales != 0).any(dim=1)).sum())
-    found = torch.stack(counts).tolist()
-    return {what: n for what, n in zip(("KV slots", "index-K slots"), found) if n}
+    else:
+        counts.append(torch.zeros((), dtype=counts[0].dtype, device=counts[0].device))
+    return torch.stack(counts).tolist()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from glm53_serving import admission, env, front_door, intake, kv_guard, plugin, server_flags, tenant_guard
+from glm53_serving import admission, env, front_door, intake, kv_guard, kv_handoff, plugin, server_flags, tenant_guard
 from glm53_serving.admission import Capacity, Limits
 
 logger = logging.getLogger("glm53_serving")
@@ -95,6 +95,8 @@ def scheduler_verified_info(result: dict, self) -> dict:
             deployment, problems = None, [*problems, f"{env.DEPLOYMENT_LIMITS.name} is malformed: {e}"]
         problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
         problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
+        if plugin.kv_part_on("handoff"):
+            kv_handoff.attach(self)  # PD prefill counts the zero slots it sends (kv_handoff.py)
         problems += server_flags.problems(get_server_args())
     if problems:
         raise _refuse("scheduler", problems)

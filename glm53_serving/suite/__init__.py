@@ -3,7 +3,7 @@ judged by oracles that each fail on their own.
 
     python -m glm53_serving.suite --profile ci                     # single, then PD, launched here
     python -m glm53_serving.suite --profile thorough --topology pd  # an hour, before a release
-    python -m glm53_serving.suite --url http://gw:8080 --keys keys.json --assertion-key k --deployment d
+    python -m glm53_serving.suite --url http://gw:8080 --keys keys.json [--worker decode-0=http://... --assertion-key k --deployment d]
     python -m glm53_serving.suite --replay suite-out/failure-1.json --topology pd
     python -m glm53_serving.suite --profile ci --reintroduce-incident   # must report leaks
 

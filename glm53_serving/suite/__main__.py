@@ -61,6 +61,10 @@ class Target:
     proc: object = None
     seen: dict[Path, int] = field(default_factory=dict)
 
+    @property
+    def tenants(self) -> list[str]:
+        return sorted(self.keys)
+
     def new_events(self, path: Path | None) -> list[dict]:
         if path is None or not path.exists():
             return []
@@ -101,10 +105,26 @@ def launch(topology: str, out: Path, reintroduce: bool) -> Target:
     )
 
 
+def attach(a) -> Target:
+    """A running deployment (--url): its tenants' keys, and the workers the drain oracle reads
+    when given with the operator's assertion key. No KV-level canary: its servers run no harness."""
+    keys = json.loads(a.keys.read_text()) if a.keys else {}
+    if len(keys) < 2:
+        raise SystemExit("--url needs --keys: a JSON file of two tenants' API keys or more")
+    workers = dict(w.split("=", 1) for w in a.worker)
+    admin = {}
+    if workers:
+        if not a.assertion_key:
+            raise SystemExit("--worker needs --assertion-key (and --deployment): the drain oracle asks as the operator")
+        token = tenants.mint(tenants.load_assertion_key(a.assertion_key), "admin", deployment=a.deployment)
+        admin = {"Authorization": f"Bearer {token}"}
+    return Target("url", a.url.rstrip("/"), keys, workers, admin)
+
+
 def served(target: Target) -> Served:
-    key = target.keys[TENANTS[0]]
+    key = target.keys[target.tenants[0]]
     (m,) = httpx.get(f"{target.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()["data"]
-    page = 1
+    page = 64 if not target.workers else 1  # GLM-5.3's, where no worker can be asked
     for url in target.workers.values():
         info = httpx.get(f"{url}/server_info", headers=target.admin, timeout=30).json()
         page = max(page, info["glm53_serving"]["capacity"]["page_size"])
@@ -224,7 +244,7 @@ def interleave(target: Target, calls: list[Call], profile: Profile, shape: Serve
     found = [
         *oracles.status(calls, outcomes, shape, profile.bound_s),
         *oracles.differential(calls, outcomes, solo, shape),
-        *oracles.canary(calls, outcomes, TENANTS),
+        *oracles.canary(calls, outcomes, target.tenants),
         *oracles.drain(before, {}),
         *kv_canary(target, rids),
     ]
@@ -247,7 +267,7 @@ def kv_canary(target: Target, rids: list[str]) -> list[Finding]:
 
 
 def explore(target: Target, profile: Profile, shape: Served, tally: Tally, out: Path, reintroduce: bool) -> None:
-    strategy = workloads(shape, TENANTS, profile.min_calls, profile.max_calls, profile.max_new_cap)
+    strategy = workloads(shape, target.tenants, profile.min_calls, profile.max_calls, profile.max_new_cap)
 
     @settings(
         max_examples=profile.interleavings,
@@ -268,7 +288,7 @@ def explore(target: Target, profile: Profile, shape: Served, tally: Tally, out: 
         tally.findings.extend(found)
         if found:
             trace = out / f"failure-{target.name}-{tally.interleavings}.json"
-            trace.write_text(to_json(calls, TENANTS))
+            trace.write_text(to_json(calls, target.tenants))
             raise AssertionError(f"{len(found)} findings; replay: --replay {trace}")
 
     try:
@@ -291,14 +311,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", type=Path, help="a failure's JSON trace: send that interleaving again")
     ap.add_argument("--out", type=Path, default=Path("suite-out"))
     ap.add_argument("--interleavings", type=int, help="per topology, instead of the profile's")
+    ap.add_argument("--url", help="a running deployment's client URL instead of launching one")
+    ap.add_argument("--keys", type=Path, help="with --url: a JSON file {tenant: API key}, two tenants or more")
+    ap.add_argument("--worker", action="append", default=[], help="with --url: NAME=URL of a worker (drain oracle)")
+    ap.add_argument("--assertion-key", type=Path, help="with --worker: the deployment's assertion key file")
+    ap.add_argument("--deployment", help="with --worker: the deployment's name (the assertions' audience)")
     a = ap.parse_args(argv)
     profile = PROFILES[a.profile]
     if a.interleavings:
         profile = dataclasses.replace(profile, interleavings=a.interleavings)
     a.out.mkdir(parents=True, exist_ok=True)
     tally = Tally()
-    for topology in ("single", "pd") if a.topology == "both" else (a.topology,):
-        target = launch(topology, a.out, a.reintroduce_incident)
+    if a.url and a.reintroduce_incident:
+        raise SystemExit("--reintroduce-incident needs a topology the suite launches (its servers load the harness)")
+    topologies = ["url"] if a.url else ["single", "pd"] if a.topology == "both" else [a.topology]
+    n_tenants = 0
+    for topology in topologies:
+        target = attach(a) if a.url else launch(topology, a.out, a.reintroduce_incident)
+        n_tenants = max(n_tenants, len(target.tenants))
         try:
             shape = served(target)
             if a.replay:
@@ -311,14 +341,15 @@ def main(argv: list[str] | None = None) -> int:
                 tally.findings += oracles.drain({}, idle_states(target, profile.bound_s))
             confirm_faults(target, tally)
         finally:
-            stop(target.proc)
+            if target.proc is not None:
+                stop(target.proc)
     tally.findings += oracles.cross_topology(tally.solo)
     for f in tally.findings:
         print(f"suite: [{f.oracle}] call {f.call}: {f.detail}", file=sys.stderr)
     leaks = sum(f.oracle in oracles.LEAK_ORACLES for f in tally.findings)
     fired = len({f.oracle for f in tally.findings})
     print(
-        f"suite: requests={tally.requests} tenants={len(TENANTS)} interleavings={tally.interleavings} "
+        f"suite: requests={tally.requests} tenants={n_tenants} interleavings={tally.interleavings} "
         f"faults={tally.faults_injected}/{tally.faults_confirmed} confirmed leaks={leaks} oracles_fired={fired}"
     )
     unconfirmed = tally.faults_confirmed < tally.faults_injected

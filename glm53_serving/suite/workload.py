@@ -78,7 +78,8 @@ def workloads(served: Served, tenants: list[str], min_calls: int, max_calls: int
         calls = []
         for _ in range(draw(st.integers(min_calls, max_calls))):
             tenant = draw(st.sampled_from(tenants))
-            kind = draw(st.sampled_from(["tiny", "short", "long", "at_limit", "over"]))
+            # mostly served (what isolation is about), some at and over the limit (admission)
+            kind = draw(st.sampled_from(["tiny", "short", "short", "short", "long", "long", "at_limit", "over"]))
             length = {
                 "tiny": draw(st.integers(MARKER_LEN + 1, 12)),
                 "short": draw(st.integers(13, min(100, served.max_prompt))),
@@ -97,13 +98,13 @@ def workloads(served: Served, tenants: list[str], min_calls: int, max_calls: int
             if budget < 1:  # an over-length prompt: refused whatever it asks
                 max_new = draw(st.integers(1, max_new_cap))
             else:
-                max_new = draw(
-                    st.one_of(
-                        st.integers(1, min(max_new_cap, budget)),  # served whole
-                        st.just(budget + 1),  # one over the budget: 400
-                        st.none() if budget <= max_new_cap else st.integers(1, max_new_cap),  # to the window
-                    )
-                )
+                asks = draw(st.sampled_from(["within"] * 6 + ["over_budget", "unset"]))
+                if asks == "over_budget":  # one token more than the budget: 400
+                    max_new = budget + 1
+                elif asks == "unset" and budget <= max_new_cap:  # the rest of the budget
+                    max_new = None
+                else:  # served whole
+                    max_new = draw(st.integers(1, min(max_new_cap, budget)))
             stream = draw(st.booleans())
             disconnect = draw(st.sampled_from((None, None, None, "before_first", "mid"))) if stream else None
             calls.append(Call(tenant, tuple(body), max_new, stream, disconnect))

@@ -48,3 +48,27 @@ def test_the_reintroduced_incident_is_caught_by_two_oracles(tmp_path):
     assert any("[canary]" in line and "reached KV another tenant wrote" in line for line in incident)
     # the failing interleaving was saved, and replays with one command
     assert list((tmp_path / "out").glob("failure-single-*.json"))
+
+
+def test_the_suite_takes_a_running_deployment_by_url(tmp_path, single):
+    """--url: a deployment the suite did not launch (the session's single server, its two demo
+    tenants), with its worker for the drain oracle; no KV-level canary there."""
+    t = single.info["tenants"]
+    p, (requests, tenants, interleavings, _, _, leaks, fired) = suite(
+        tmp_path,
+        "--url",
+        single.url,
+        "--keys",
+        t["demo_keys_file"],
+        "--worker",
+        f"server={single.worker('server')}",
+        "--assertion-key",
+        t["assertion_key_file"],
+        "--deployment",
+        t["deployment"],
+        "--interleavings",
+        "2",
+    )
+    assert p.returncode == 0 and leaks == 0 and fired == 0, p.stderr[-4000:]
+    assert tenants == 2 and interleavings == 2 and requests >= 50
+    assert "suite [url] interleaving 1" in p.stderr

@@ -44,16 +44,30 @@ def written_scheduler(prompt_len: int, pool=None, alloc=None):
     return SimpleNamespace(req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc), pool, slots
 
 
+@pytest.fixture(autouse=True)
+def no_prefill_memory(monkeypatch):
+    monkeypatch.setattr(kv_handoff, "_prefill_memory", None)
+
+
+def prefill_side(buf, n: int, scheduler) -> None:
+    """Prefill ran carry_prompt_length (AFTER its set_buf) for a prompt of n tokens, its KV in
+    `scheduler`'s pool (the same pool as decode's here: what the transfer copies)."""
+    kv_handoff.attach(scheduler)
+    req = prompt_req(n)
+    req.kv.req_pool_idx = 0
+    kv_handoff.carry_prompt_length(None, buf, req)
+
+
 def decode_side(prompt_len: int, carried: int | None, scheduler=None, **kw):
     """Decode's request pre-allocated for `prompt_len` tokens; prefill (or nobody) wrote `carried`."""
     buf = buffers()
-    if carried is not None:  # prefill ran carry_prompt_length (AFTER its set_buf) for a prompt of that length
-        kv_handoff.carry_prompt_length(None, buf, prompt_req(carried))
+    scheduler = scheduler or written_scheduler(prompt_len)[0]
+    if carried is not None:
+        prefill_side(buf, carried, scheduler)
     req = prompt_req(prompt_len)
     req.kv.kv_committed_len = prompt_len
     req.kv.req_pool_idx = 0
     decode_req = DecodeRequest(req=req, kv_receiver=None, metadata_buffer_index=1, **kw)
-    scheduler = scheduler or written_scheduler(prompt_len)[0]
     kv_handoff.check_prompt_length(None, SimpleNamespace(metadata_buffers=buf, scheduler=scheduler), decode_req)
     return req, buf
 
@@ -92,15 +106,51 @@ def test_a_retraction_rebootstrap_is_checked_like_any_transfer(carried, aborted)
         assert req.finished_reason.err_type == kv_handoff.MISMATCH_CODE
 
 
+def handoff(scheduler, n, lost=None):
+    """Prefill counts and sends n prompt slots; `lost(pool)` then zeroes what the transfer did
+    not write on decode; decode checks. Returns decode's request."""
+    buf = buffers()
+    prefill_side(buf, n, scheduler)
+    if lost is not None:
+        lost(scheduler.token_to_kv_pool_allocator.get_kvcache())
+    req = prompt_req(n)
+    req.kv.kv_committed_len = n
+    req.kv.req_pool_idx = 0
+    decode_req = DecodeRequest(req=req, kv_receiver=None, metadata_buffer_index=1)
+    kv_handoff.check_prompt_length(None, SimpleNamespace(metadata_buffers=buf, scheduler=scheduler), decode_req)
+    assert all(int(buf.cached_tokens[1][s]) == 0 for s in (kv_handoff.LENGTH_SLOT, *kv_handoff.ZERO_SLOTS))
+    return req
+
+
 def test_a_slot_the_transfer_did_not_write_is_a_handoff_mismatch():
-    # The length is right, but one prompt slot still reads zero: the transfer did not write it.
+    # The length is right, but one prompt slot reads zero on decode that prefill sent written.
     scheduler, pool, slots = written_scheduler(137)
-    pool.v_buffer[-1][slots[50]] = -0.0  # zero in value, not in bytes: still written
-    assert decode_side(137, 137, scheduler)[0].finished_reason is None
-    pool.v_buffer[-1][slots[50]] = 0
-    req, _ = decode_side(137, 137, scheduler)
+
+    def lost(pool, value=0.0):
+        pool.v_buffer[-1][slots[50]] = value
+
+    assert handoff(scheduler, 137, lambda p: lost(p, -0.0)).finished_reason is None  # -0.0: written bytes
+    req = handoff(scheduler, 137, lost)
     assert req.finished_reason.err_type == kv_handoff.MISMATCH_CODE
     assert "left 1 KV slots unwritten" in req.finished_reason.message
+
+
+def test_a_prompt_token_whose_kv_is_zero_on_prefill_too_is_served():
+    # A zero embedding row (token 0 of the tiny models, a padding token) gives zero KV: prefill
+    # counts it, decode finds the same count (a fuzzed [0] prompt got a 500 before prefill counted).
+    scheduler, pool, slots = written_scheduler(137)
+    pool.v_buffer[-1][slots[:3]] = 0
+    pool.k_buffer[-1][slots[:3]] = 0
+    assert handoff(scheduler, 137).finished_reason is None
+    req = handoff(scheduler, 137, lambda p: p.v_buffer[-1].__setitem__(slots[3], 0))  # and one more lost
+    assert "left 1 KV slots unwritten" in req.finished_reason.message
+
+
+def test_a_prefill_that_could_not_count_is_a_mismatch():
+    scheduler, _, _ = written_scheduler(137)
+    buf = buffers()
+    kv_handoff.carry_prompt_length(None, buf, prompt_req(137))  # no attach(): counts -1
+    assert [int(buf.cached_tokens[1][s]) for s in kv_handoff.ZERO_SLOTS] == [-1, -1]
 
 
 @pytest.mark.parametrize("kind", ["latent", "index-K"])
@@ -108,14 +158,17 @@ def test_dsa_latent_and_index_k_pages_are_both_checked(kind):
     # GLM-5.3's pool: 64-token pages; the index-K pages travel on their own channel.
     pool, alloc = make_pool(64, dsa=True)
     scheduler, _, slots = written_scheduler(130, pool, alloc)
-    assert decode_side(130, 130, scheduler)[0].finished_reason is None
+    assert handoff(scheduler, 130).finished_reason is None
     last_page = slots[128:]  # the prompt's partly filled last page: 2 of 64 slots
-    if kind == "latent":
-        pool.kv_buffer[-1][last_page] = 0
-    else:  # the index keys' fp32 scales of that page, in IndexKeyCache's layout
-        buf, p = pool.index_key_cache.buffer[-1], pool.page_size
-        buf[:, p * pool.index_head_dim :].view(buf.shape[0], p, -1)[last_page // p, last_page % p] = 0
-    req, _ = decode_side(130, 130, scheduler)
+
+    def lost(pool):
+        if kind == "latent":
+            pool.kv_buffer[-1][last_page] = 0
+        else:  # the index keys' fp32 scales of that page, in IndexKeyCache's layout
+            buf, p = pool.index_key_cache.buffer[-1], pool.page_size
+            buf[:, p * pool.index_head_dim :].view(buf.shape[0], p, -1)[last_page // p, last_page % p] = 0
+
+    req = handoff(scheduler, 130, lost)
     assert req.finished_reason.err_type == kv_handoff.MISMATCH_CODE
     what = "KV slots" if kind == "latent" else "index-K slots"
     assert f"left 2 {what} unwritten" in req.finished_reason.message, req.finished_reason.message
