@@ -8,6 +8,7 @@ import json
 import sys
 import time
 import tomllib
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ class Target:
     url: str
     keys: dict[str, str]
     workers: dict[str, str]
-    admin: dict[str, str]
+    operator: tuple[bytes, str | None] | None  # (assertion key, deployment) for the workers
     canary_log: Path | None = None
     fault_log: Path | None = None
     proc: object = None
@@ -64,6 +65,14 @@ class Target:
     @property
     def tenants(self) -> list[str]:
         return sorted(self.keys)
+
+    @property
+    def admin(self) -> dict[str, str]:
+        """A fresh operator assertion for each request: they live minutes, a thorough run an hour."""
+        if self.operator is None:
+            return {}
+        key, deployment = self.operator
+        return {"Authorization": f"Bearer {tenants.mint(key, 'admin', deployment=deployment)}"}
 
     def new_events(self, path: Path | None) -> list[dict]:
         if path is None or not path.exists():
@@ -94,15 +103,13 @@ def launch(topology: str, out: Path, reintroduce: bool) -> Target:
         extra |= {env.KV_GUARD_OFF.name: "zero,owner,handoff", "GLM53_TEST_KV_FOREIGN": INCIDENT_RID}
     proc, info = start(run / "launch", "--config", str(cfg), "--topology", topology, env=extra)
     t = info["tenants"]
-    admin = tenants.mint(tenants.load_assertion_key(t["assertion_key_file"]), "admin", deployment=t["deployment"])
+    operator = (tenants.load_assertion_key(t["assertion_key_file"]), t["deployment"])
     workers = {
         p["name"]: p["url"]
         for p in info["processes"]
         if p["name"] == "server" or p["name"].startswith(("prefill-", "decode-"))
     }
-    return Target(
-        topology, info["client_url"], keys, workers, {"Authorization": f"Bearer {admin}"}, canary, faults, proc
-    )
+    return Target(topology, info["client_url"], keys, workers, operator, canary, faults, proc)
 
 
 def attach(a) -> Target:
@@ -112,13 +119,12 @@ def attach(a) -> Target:
     if len(keys) < 2:
         raise SystemExit("--url needs --keys: a JSON file of two tenants' API keys or more")
     workers = dict(w.split("=", 1) for w in a.worker)
-    admin = {}
+    operator = None
     if workers:
         if not a.assertion_key:
             raise SystemExit("--worker needs --assertion-key (and --deployment): the drain oracle asks as the operator")
-        token = tenants.mint(tenants.load_assertion_key(a.assertion_key), "admin", deployment=a.deployment)
-        admin = {"Authorization": f"Bearer {token}"}
-    return Target("url", a.url.rstrip("/"), keys, workers, admin)
+        operator = (tenants.load_assertion_key(a.assertion_key), a.deployment)
+    return Target("url", a.url.rstrip("/"), keys, workers, operator)
 
 
 def served(target: Target) -> Served:
@@ -325,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.url and a.reintroduce_incident:
         raise SystemExit("--reintroduce-incident needs a topology the suite launches (its servers load the harness)")
     topologies = ["url"] if a.url else ["single", "pd"] if a.topology == "both" else [a.topology]
-    n_tenants = 0
+    n_tenants, broken = 0, []
     for topology in topologies:
         target = attach(a) if a.url else launch(topology, a.out, a.reintroduce_incident)
         n_tenants = max(n_tenants, len(target.tenants))
@@ -340,12 +346,16 @@ def main(argv: list[str] | None = None) -> int:
                 flush(target)
                 tally.findings += oracles.drain({}, idle_states(target, profile.bound_s))
             confirm_faults(target, tally)
+        except Exception:  # noqa: BLE001 - the suite itself broke: say so, still end with the summary
+            broken.append(f"suite [{topology}] stopped: {traceback.format_exc()}")
         finally:
             if target.proc is not None:
                 stop(target.proc)
     tally.findings += oracles.cross_topology(tally.solo)
     for f in tally.findings:
         print(f"suite: [{f.oracle}] call {f.call}: {f.detail}", file=sys.stderr)
+    for b in broken:
+        print(b, file=sys.stderr)
     leaks = sum(f.oracle in oracles.LEAK_ORACLES for f in tally.findings)
     fired = len({f.oracle for f in tally.findings})
     print(
@@ -353,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         f"faults={tally.faults_injected}/{tally.faults_confirmed} confirmed leaks={leaks} oracles_fired={fired}"
     )
     unconfirmed = tally.faults_confirmed < tally.faults_injected
-    return 1 if tally.findings or unconfirmed else 0
+    return 1 if tally.findings or unconfirmed or broken else 0
 
 
 def confirm_faults(target: Target, tally: Tally) -> None:
