@@ -141,9 +141,9 @@ def zero_counts(pool, slots: torch.Tensor) -> list[int]:
     rows = rows.view(_INT_OF_WIDTH[rows.element_size()]).reshape(slots.numel(), -1)
     counts = [(~(rows != 0).any(dim=1)).sum()]
     if type(pool).__name__ == "DSATokenToKVPool":
-        buf = [b for b in pool.index_key_cache.buffer if b.shape[0]][-1]
+        _, scales = kv_zero.index_k_parts(pool)[-1]
         p = pool.page_size
-        scales = buf[:, p * pool.index_head_dim :].view(buf.shape[0], p, -1)[slots // p, slots % p]
+        scales = scales[slots // p, slots % p]
         counts.append((~(scales != 0).any(dim=1)).sum())
     else:
         counts.append(torch.zeros((), dtype=counts[0].dtype, device=counts[0].device))

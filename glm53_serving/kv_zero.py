@@ -200,18 +200,26 @@ def _page_runs(pages: torch.Tensor) -> list[tuple[int, int]] | None:
     return [(int(pages[a]), int(pages[b - 1]) + 1) for a, b in zip(bounds, bounds[1:])]
 
 
-def _zero_indexer(pool, slots: torch.Tensor) -> None:
-    """DSA's indexer cache: per layer, one row per page holding the page's fp8 keys (index_head_dim
-    bytes per slot) and then its scales (4 bytes per quant block per slot), IndexKeyCache.move's
-    layout; index_problems() refuses the variants laid out otherwise."""
+def index_k_parts(pool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """DSA's indexer cache, per layer that has one: (keys, scales), each viewed [page, slot in
+    page, bytes], so that `[slots // page, slots % page]` addresses slots. A page's row holds its
+    fp8 keys (index_head_dim bytes per slot) and then its scales (4 bytes per quant block per
+    slot), IndexKeyCache.move's layout; index_problems() refuses the variants laid out otherwise.
+    A layer that reuses the previous layer's top-k has no index keys (no rows)."""
     p = pool.page_size
-    page, off = slots // p, slots % p
     key_bytes = p * pool.index_head_dim
-    for buf in pool.index_key_cache.buffer:
-        if buf.shape[0] == 0:  # a layer that reuses the previous layer's top-k has no index keys
-            continue
-        buf[:, :key_bytes].view(buf.shape[0], p, -1)[page, off] = 0
-        buf[:, key_bytes:].view(buf.shape[0], p, -1)[page, off] = 0
+    return [
+        (buf[:, :key_bytes].view(buf.shape[0], p, -1), buf[:, key_bytes:].view(buf.shape[0], p, -1))
+        for buf in pool.index_key_cache.buffer
+        if buf.shape[0]
+    ]
+
+
+def _zero_indexer(pool, slots: torch.Tensor) -> None:
+    page, off = slots // pool.page_size, slots % pool.page_size
+    for keys, scales in index_k_parts(pool):
+        keys[page, off] = 0
+        scales[page, off] = 0
 
 
 def _runs(slots: torch.Tensor) -> list[tuple[int, int]]:
