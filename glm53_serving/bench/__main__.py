@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import psutil
 
 from glm53_serving.bench import report
-from glm53_serving.bench.serving import bench, cpu_seconds, credential, process, start, stop
+from glm53_serving.bench.serving import LaunchFailed, bench, cpu_seconds, credential, process, start, stop
 from glm53_serving.env import SERVING_DISABLE
 from glm53_serving.topology import Topology, default_config_path
 
@@ -44,20 +44,35 @@ SIDES = {"on": {}, "off": {SERVING_DISABLE.name: "1"}}
 
 def deploy(tmp: Path, a, topologies: list[str]) -> dict:
     """Both sides of each topology, started at once (a launch mostly waits on its children's
-    imports and stages, so launches overlap well): (topology, side) -> (launcher, ready.json)."""
+    imports and stages, so launches overlap well): (topology, side) -> (launcher, ready.json).
+
+    A deployment whose launcher fails is started once more, alone, after the others are up, and
+    the failure is printed: with --quick six servers start at once on two cores, and a start-up
+    that loses that race (CI saw one PD launcher fail, its log gone with the machine) is not what
+    the bench measures. A second failure ends the run with the launcher's last lines."""
     wanted = [(t, side) for t in topologies for side in SIDES]
-    with ThreadPoolExecutor(len(wanted)) as pool:
-        futures = {
-            (t, side): pool.submit(
-                start, tmp / f"{t}-{side}", "--config", str(a.config), "--topology", t, env=SIDES[side]
-            )
-            for t, side in wanted
-        }
-    failed = [f.exception() for f in futures.values() if f.exception() is not None]  # SystemExit included
-    up = {key: f.result() for key, f in futures.items() if f.exception() is None}
-    if failed:  # stop those that did come up
+
+    def launch(t: str, side: str, attempt: int):
+        run_dir = tmp / (f"{t}-{side}" if attempt == 0 else f"{t}-{side}-retry{attempt}")
+        return start(run_dir, "--config", str(a.config), "--topology", t, env=SIDES[side])
+
+    up: dict = {}
+    try:
+        with ThreadPoolExecutor(len(wanted)) as pool:
+            futures = {key: pool.submit(launch, *key, 0) for key in wanted}
+            for key, f in futures.items():
+                if f.exception() is None:
+                    up[key] = f.result()
+                elif isinstance(f.exception(), LaunchFailed):
+                    print(f"{key[0]}-{key[1]}: {f.exception()}\nstarting it again, alone", file=sys.stderr, flush=True)
+                else:
+                    raise f.exception()
+        for key in wanted:
+            if key not in up:
+                up[key] = launch(*key, 1)
+    except BaseException:  # SystemExit included: stop those that did come up
         stop_all(up)
-        raise failed[0]
+        raise
     return up
 
 

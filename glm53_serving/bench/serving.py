@@ -48,17 +48,28 @@ from glm53_serving.models import tiny
 from glm53_serving.topology import Topology, default_config_path
 
 
+class LaunchFailed(SystemExit):
+    """The launcher exited before its deployment was ready; the message ends with its last lines
+    (which name the child that failed and quote that child's log)."""
+
+
 def start(run_dir: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "glm53_serving.launch", "--run-dir", str(run_dir), *args],
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "launcher.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "glm53_serving.launch", "--run-dir", str(run_dir), *args],
+            env={**os.environ, **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     ready = run_dir / "ready.json"
     while not ready.exists():
         if proc.poll() is not None:
-            raise SystemExit(f"launcher failed: see {run_dir}")
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            raise LaunchFailed(
+                f"launcher failed (exit {proc.returncode}): see {run_dir}; last lines of {log}:\n" + "\n".join(tail)
+            )
         time.sleep(0.5)
     return proc, json.loads(ready.read_text())
 
