@@ -73,6 +73,14 @@ def capacity_problems(cap: Capacity, deployment: Limits | None, auto_truncate: b
                 f"a PD {cap.role} server needs the deployment's limits in {env.DEPLOYMENT_LIMITS.name} "
                 "(the launcher sets it from every role) so that prefill and decode cannot disagree"
             )
+    if deployment is not None and cap.context_length != deployment.context_length:
+        # Prefill and decode that disagree on the window accept different requests: a public PD
+        # benchmark saw 33 of 1,000 requests hang. One window, the deployment's, or no start.
+        problems.append(
+            f"this {cap.role} server's context window ({cap.context_length} tokens) differs from the "
+            f"deployment's ({deployment.context_length} tokens, {env.DEPLOYMENT_LIMITS.name}): every server of a "
+            f"deployment must be started with --context-length {deployment.context_length}"
+        )
     if deployment is not None and not deployment.within(Limits.of([cap])):
         problems.append(
             f"this {cap.role} server (KV {cap.kv_tokens} tokens, page {cap.page_size}, reserve {cap.decode_reserve}) "

@@ -288,13 +288,14 @@ def test_launcher_refuses_the_incident_configuration(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing was started
 
 
-def run_server_directly(tmp_path, role, extra_env=None, kv=2048):
+def run_server_directly(tmp_path, role, extra_env=None, kv=2048, context=CONTEXT):
     """A hand-launched server (no launcher): it must check its own capacity."""
     from tests.e2e.deployment import CONFIG, model_path
 
     topo = Topology.load(CONFIG, "single" if role == "single" else "pd")
     argv = topo.server_argv(model_path(), 0, role, bootstrap_port=0)
     argv[argv.index("--max-total-tokens") + 1] = str(kv)
+    argv[argv.index("--context-length") + 1] = str(context)
     argv[argv.index("--port") + 1] = str(free_port())
     env = {k: v for k, v in os.environ.items() if k != "GLM53_DEPLOYMENT_LIMITS"}
     env.update({k: v for k, v in topo.process_env().items() if k != "GLM53_DEPLOYMENT_LIMITS"}, **(extra_env or {}))
@@ -320,6 +321,17 @@ def test_pd_server_smaller_than_the_deployment_declared_refuses(tmp_path):
     limits = json.dumps({"max_input_tokens": P, "max_total_tokens": T, "context_length": CONTEXT})
     out = run_server_directly(tmp_path, "decode", {"GLM53_DEPLOYMENT_LIMITS": limits}, kv=T - 110)
     assert out.returncode != 0 and "less than the deployment's limits" in out.stderr + out.stdout
+
+
+def test_pd_server_started_with_another_context_window_than_its_deployment_refuses(tmp_path):
+    """Prefill and decode that disagree on the window accept different requests (a public PD
+    benchmark saw 33 of 1,000 hang): a decode started by hand with a larger --context-length than
+    the deployment's, with the pool to back it, still refuses."""
+    limits = json.dumps({"max_input_tokens": P, "max_total_tokens": T, "context_length": CONTEXT})
+    out = run_server_directly(tmp_path, "decode", {"GLM53_DEPLOYMENT_LIMITS": limits}, context=2 * CONTEXT)
+    said = out.stderr + out.stdout
+    assert out.returncode != 0 and "glm53_serving: refusing to start" in said, said[-2000:]
+    assert f"context window ({2 * CONTEXT} tokens) differs from the deployment's ({CONTEXT} tokens" in said
 
 
 # --- the output limit: GLM-5.3 generates at most 128K tokens per request -------------------------

@@ -131,6 +131,11 @@ def test_capacity_problems_name_every_unsafe_configuration():
     assert capacity_problems(Capacity("single", 512, 2048), None, auto_truncate=True) == []  # single may truncate
     too_small = Capacity("decode", 512, 400, decode_reserve=64)
     assert any("less than the deployment's limits" in p for p in capacity_problems(too_small, Limits.of([ok]), False))
+    # A window that differs either way: a larger one would accept what prefill refuses, and back.
+    for ctx in (256, 1024):
+        other = Capacity("decode", ctx, 2048, decode_reserve=64)
+        (msg,) = [p for p in capacity_problems(other, Limits.of([ok]), False) if "context window" in p]
+        assert f"({ctx} tokens) differs from the deployment's (512 tokens" in msg and "--context-length 512" in msg
 
 
 @settings(max_examples=1000, deadline=None)
