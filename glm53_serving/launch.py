@@ -35,7 +35,14 @@ import psutil
 
 from glm53_serving import env, k8s, tenants
 from glm53_serving import plan as capacity_plan
-from glm53_serving.topology import LOCAL_NODE, Topology, default_config_path, free_port, shell_line
+from glm53_serving.topology import (
+    LOCAL_NODE,
+    ROUTER_DEAD_WORKER_S,
+    Topology,
+    default_config_path,
+    free_port,
+    shell_line,
+)
 
 LOG_TAIL_LINES = 60
 PROGRESS_EVERY_S = 5.0
@@ -97,6 +104,11 @@ def _copy_plain(pipe, path: Path) -> None:
 class Supervisor:
     run_dir: Path
     children: list[Child] = field(default_factory=list)
+    # What keep_alive needs to bring a child back (set by launch()): each child's readiness
+    # probe, and the operator's headers for it.
+    probes: dict[str, Callable[[Child, httpx.Client], bool]] = field(default_factory=dict)
+    headers: Callable[[], dict[str, str]] = dict
+    restarts: dict[str, int] = field(default_factory=dict)
 
     def start(self, child: Child) -> Child:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,7 +125,8 @@ class Supervisor:
             )
         if child.plain_log:
             threading.Thread(target=_copy_plain, args=(child.proc.stdout, child.log), daemon=True).start()
-        self.children.append(child)
+        if child not in self.children:  # a restart keeps its place: stop() goes front door first
+            self.children.append(child)
         say(f"started {child.name} (pid {child.proc.pid}), log {child.log}")
         return child
 
@@ -123,6 +136,86 @@ class Supervisor:
                 raise LaunchError(
                     f"{c.name} exited with code {c.proc.returncode} ({c.note}); last lines of {c.log}:\n{c.tail()}"
                 )
+
+    def keep_alive(self, limit: int, timeout_s: float) -> None:
+        """After ready: restart a child that died (same command line, same port), at most `limit`
+        times each; past that, or for a child without a probe, fail as check_alive does. The
+        others keep serving meanwhile: a client of the dead one gets the router's or the
+        gateway's error, never a wait."""
+        for c in self.children:
+            if c.proc is None or c.proc.poll() is None:
+                continue
+            done = self.restarts.get(c.name, 0)
+            if done >= limit or c.name not in self.probes:
+                raise LaunchError(
+                    f"{c.name} exited with code {c.proc.returncode} ({c.note}) after {done} restart(s) "
+                    f"(restart_limit {limit}); last lines of {c.log}:\n{c.tail()}"
+                )
+            old_pid, code, t0 = c.proc.pid, c.proc.returncode, time.monotonic()
+            say(f"{c.name} (pid {old_pid}) exited with code {code}: restarting it ({done + 1}/{limit})")
+            _kill_group(c.proc)  # its scheduler and detokenizer must not outlive it
+            if c.name.startswith("decode-"):
+                self.abort_stranded(c.name)
+            self.restarts[c.name] = done + 1
+            c.ready, c.note = False, "restarting"
+            self.start(c)
+            # Ready when it serves again, and, for a server, when the router sends it requests again.
+            router = next((r for r in self.children if r.name == "router" and r is not c and r.ready), None)
+            pending = {c.name: self.probes[c.name]}
+            wait_ready(self, pending, t0, timeout_s, self.headers)
+            if router is not None and c.name.startswith(("prefill-", "decode-")):
+                wait_ready(self, {router.name: self.probes[router.name]}, t0, timeout_s, self.headers)
+            event = {
+                "name": c.name,
+                "old_pid": old_pid,
+                "exit_code": code,
+                "new_pid": c.proc.pid,
+                "restart": done + 1,
+                "ready_s": round(time.monotonic() - t0, 1),
+                "at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            }
+            with (self.run_dir / "restarts.jsonl").open("a") as f:
+                f.write(json.dumps(event) + "\n")
+            self._rewrite_ready()
+            say(f"{c.name} restarted (pid {c.proc.pid}), ready after {event['ready_s']} s")
+
+    def abort_stranded(self, decode: str) -> None:
+        """A decode died: every prefill's requests fail now instead of waiting out SGLang's
+        bootstrap timeout (300 s) for KV indices the dead decode will never send (the router
+        answers a client only when both halves have). Again once the router has taken the
+        decode out of its rotation, for those sent to it meanwhile. With several decodes this
+        also fails, cleanly, the prefill requests of live ones: no prefill knows which decode a
+        request is for before that decode has allocated its pages."""
+
+        def abort() -> None:
+            for p in self.children:
+                if p.name.startswith("prefill-") and p.proc is not None and p.proc.poll() is None:
+                    try:
+                        r = httpx.post(
+                            f"{p.url}/abort_request",
+                            json={"rid": "", "abort_all": True},
+                            headers=self.headers(),
+                            timeout=10,
+                        )
+                        say(f"{decode} died: aborted what {p.name} held for it ({r.status_code})")
+                    except httpx.HTTPError as e:
+                        say(f"{decode} died: could not abort {p.name}'s requests: {e}")
+
+        abort()
+        threading.Timer(ROUTER_DEAD_WORKER_S, abort).start()
+
+    def _rewrite_ready(self) -> None:
+        """ready.json with every child's current pid (whoever reads it sees it whole)."""
+        ready = self.run_dir / "ready.json"
+        if not ready.exists():
+            return
+        info = json.loads(ready.read_text())
+        pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
+        for p in info["processes"]:
+            p["pid"] = pids.get(p["name"], p["pid"])
+        info["all_pids"], info["restarts"] = self.pids(), dict(self.restarts)
+        (self.run_dir / "ready.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(self.run_dir / "ready.json.tmp", ready)
 
     def pids(self) -> list[int]:
         """Every process we own: the children and all their descendants."""
@@ -169,12 +262,17 @@ class Supervisor:
                 pass
         for c in self.children:
             if c.proc is not None:
-                try:
-                    os.killpg(c.proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                c.proc.wait(timeout=5)
+                _kill_group(c.proc)
         psutil.wait_procs(alive, timeout=5)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the child's whole process group (it leads its own session), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(timeout=5)
 
 
 # --- readiness probes -------------------------------------------------------------------------
@@ -218,9 +316,11 @@ def router_probe(expected_workers: int) -> Callable[[Child, httpx.Client], bool]
         r = _get_ok(child, client, "/workers")
         if r is None:
             return False
-        total = r.json().get("total", 0)
-        child.note = f"{total}/{expected_workers} workers"
-        return total >= expected_workers
+        # Healthy ones: after a worker's restart the router takes it back only after its health
+        # checks pass again (ROUTER_HEALTH), and until then answers 503.
+        healthy = sum(bool(w.get("is_healthy")) for w in r.json().get("workers", []))
+        child.note = f"{healthy}/{expected_workers} workers healthy"
+        return healthy >= expected_workers
 
     return probe
 
@@ -477,6 +577,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor, node: str | None = No
         **({p.router.name: router_probe(len(p.servers))} if p.router else {}),
         p.gateway.name: gateway_probe,
     }
+    sup.probes, sup.headers = probes, tenancy.admin_headers
     waited: set[str] = set()
     for stage in p.stages():
         local = [c for c in stage if c.name in mine]
@@ -630,8 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     sup = Supervisor(run_dir)
     try:
         print_ready(launch(topo, run_dir, sup, args.node))
-        while True:  # serve until a child dies or we are told to stop
-            sup.check_alive()
+        while True:  # serve (restarting a child that dies, up to restart_limit) until told to stop
+            sup.keep_alive(topo.restart_limit, topo.ready_timeout_s)
             time.sleep(1.0)
     except StopRequested as e:
         say(f"{e}: stopping {len(sup.children)} children")

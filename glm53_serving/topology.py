@@ -238,6 +238,12 @@ class TenantsConf:
 # then answers every tenant 503 for about a minute; its retries re-send a non-idempotent
 # generation up to 5 times. Dead workers are still taken out by the router's health checks.
 ROUTER_SHARED_FATE_OFF = ("--disable-circuit-breaker", "--disable-retries")
+# A dead worker is out of the rotation within about ROUTER_DEAD_WORKER_S, not after 3 minutes
+# (SGLang's default: a check every 60 s, 3 failures): until then the router would still send it
+# requests whose prefill half waits out SGLang's bootstrap timeout (300 s) for a decode that is
+# gone (the router joins both halves). A live server answers /health at once, busy or not.
+ROUTER_HEALTH = ("--health-check-interval-secs", "2", "--health-failure-threshold", "2")
+ROUTER_DEAD_WORKER_S = 6.0
 
 
 @dataclass(slots=True)
@@ -256,6 +262,11 @@ class RouterConf:
                 flag not in self.args, f"set {flag} through [router] max_payload_bytes / request_timeout_s, not args"
             )
         for arg in self.args:
+            _require(
+                arg not in ROUTER_HEALTH[::2],
+                f"router {arg}: the launcher sets the health checks (ROUTER_HEALTH), so a dead worker leaves "
+                "the rotation in seconds",
+            )
             _require(
                 not arg.startswith(("--retry-", "--cb-")),
                 f"router {arg}: the launcher always runs the router without retries and without a circuit breaker "
@@ -279,6 +290,11 @@ class Topology:
     tenants: TenantsConf = field(default_factory=TenantsConf)
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 600.0
+    # How often the launcher restarts one child that dies after the deployment was ready (with the
+    # same command line and port; a restarted server's KV pool starts empty and zeroed) before it
+    # stops the whole deployment. 0: the first death stops everything. Each restart is a line of
+    # restarts.jsonl in the run dir, and ready.json is rewritten with the new pid.
+    restart_limit: int = 3
     # The machines, when there is more than one ([[nodes]]); each role then names its node and
     # `python -m glm53_serving.launch --node NAME` starts that node's processes only.
     nodes: list[NodeConf] = field(default_factory=list)
@@ -291,6 +307,7 @@ class Topology:
         _require(self.device in ("cpu", "cuda"), f"device must be cpu or cuda, not {self.device!r}")
         _require(self.worker.count == 1, "[worker] holds flags shared by all servers; set counts per role")
         _require(self.ready_timeout_s > 0, f"ready_timeout_s must be positive, not {self.ready_timeout_s}")
+        _require(self.restart_limit >= 0, f"restart_limit must be 0 or more, not {self.restart_limit}")
         # The deployment-wide request limit is computed from every role's KV budget; without one
         # the gateway could not start (it refuses to serve without limits), after the servers loaded.
         if self.topology == "pd":
@@ -689,6 +706,7 @@ class Topology:
             "--request-timeout-secs",
             str(math.ceil(self.router_timeout_s())),
             *ROUTER_SHARED_FATE_OFF,
+            *ROUTER_HEALTH,
         ]
         for url, boot in prefills:
             argv += ["--prefill", url, str(boot)]

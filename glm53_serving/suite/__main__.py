@@ -21,7 +21,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from glm53_serving import env, tenants
 from glm53_serving.bench.serving import start, stop
-from glm53_serving.suite import oracles
+from glm53_serving.suite import faults, oracles
 from glm53_serving.suite.oracles import Finding, Outcome
 from glm53_serving.suite.workload import Call, Served, from_json, to_json, workloads
 from glm53_serving.topology import default_config_path
@@ -60,6 +60,7 @@ class Target:
     canary_log: Path | None = None
     fault_log: Path | None = None
     proc: object = None
+    run_dir: Path | None = None  # the launcher's (ready.json, restarts.jsonl): faults need it
     seen: dict[Path, int] = field(default_factory=dict)
 
     @property
@@ -97,10 +98,12 @@ def launch(topology: str, out: Path, reintroduce: bool) -> Target:
     conf["tenants"] = {**conf.get("tenants", {}), "mode": "file", "file": str(tenants_file)}
     cfg = run / "suite.toml"
     cfg.write_text(tomli_w.dumps(conf))
-    canary, faults = run / "kv-canary.jsonl", run / "kv-faults.jsonl"
-    extra = {"PYTHONPATH": str(HARNESS), "GLM53_TEST_KV_CANARY": str(canary), "GLM53_TEST_KV_LOG": str(faults)}
+    canary, fault_log = run / "kv-canary.jsonl", run / "kv-faults.jsonl"
+    extra = {"PYTHONPATH": str(HARNESS), "GLM53_TEST_KV_CANARY": str(canary), "GLM53_TEST_KV_LOG": str(fault_log)}
     if reintroduce:
         extra |= {env.KV_GUARD_OFF.name: "zero,owner,handoff", "GLM53_TEST_KV_FOREIGN": INCIDENT_RID}
+    elif topology == "pd":  # transfers the fault runs drop, by rid marker
+        extra |= faults.HARNESS_ENV
     proc, info = start(run / "launch", "--config", str(cfg), "--topology", topology, env=extra)
     t = info["tenants"]
     operator = (tenants.load_assertion_key(t["assertion_key_file"]), t["deployment"])
@@ -109,7 +112,7 @@ def launch(topology: str, out: Path, reintroduce: bool) -> Target:
         for p in info["processes"]
         if p["name"] == "server" or p["name"].startswith(("prefill-", "decode-"))
     }
-    return Target(topology, info["client_url"], keys, workers, operator, canary, faults, proc)
+    return Target(topology, info["client_url"], keys, workers, operator, canary, fault_log, proc, run / "launch")
 
 
 def attach(a) -> Target:
@@ -165,7 +168,11 @@ def flush(target: Target) -> None:
 # --- one call, one interleaving ----------------------------------------------------------------
 
 
-def send(target: Target, call: Call, rid: str, timeout: float) -> Outcome:
+def send(target: Target, call: Call, rid: str, timeout: float, read_delay: float = 0.0) -> Outcome:
+    """One call as a client makes it; `read_delay`: a slow client, that long before each line it
+    reads. A stream cut short at the transport is a 200 with code "stream_broken" (the client
+    can tell: the chunked body never ended); one that ends cleanly without SGLang's [DONE] and
+    without an error event, "stream_unterminated" (a client cannot tell it from success)."""
     body = {
         "rid": rid,
         "input_ids": list(call.prompt),
@@ -173,7 +180,7 @@ def send(target: Target, call: Call, rid: str, timeout: float) -> Outcome:
         "sampling_params": {"max_new_tokens": call.max_new, "temperature": 0, "ignore_eos": True},
     }
     headers = {"Authorization": f"Bearer {target.keys[call.tenant]}"}
-    t0 = time.monotonic()
+    t0, status, lines = time.monotonic(), None, []
     try:
         if not call.stream:
             r = httpx.post(f"{target.url}/generate", json=body, headers=headers, timeout=timeout)
@@ -186,13 +193,17 @@ def send(target: Target, call: Call, rid: str, timeout: float) -> Outcome:
         with httpx.stream(
             "POST", f"{target.url}/generate", json=body, headers=headers, timeout=httpx.Timeout(timeout, read=read)
         ) as r:
+            status = r.status_code
             if r.status_code != 200:
                 text = r.read().decode(errors="replace")
                 return Outcome(r.status_code, _code(text), None, text, _since(t0), False)
-            lines, last = [], None
+            last, done = None, False
             for line in r.iter_lines():
                 lines.append(line)
+                if read_delay:
+                    time.sleep(read_delay)
                 data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+                done = done or data == "[DONE]"
                 if not data or data == "[DONE]":
                     continue
                 last = json.loads(data)
@@ -200,11 +211,16 @@ def send(target: Target, call: Call, rid: str, timeout: float) -> Outcome:
                     return Outcome(200, None, None, "\n".join(lines), _since(t0), True)
             text = "\n".join(lines)
             code = (last or {}).get("error", {}).get("code") if isinstance(last, dict) else None
+            if code is None and not done:
+                code = "stream_unterminated"
             return Outcome(200, code, (last or {}).get("output_ids"), text, _since(t0), False)
     except httpx.TimeoutException:
         if call.disconnect == "before_first":
             return Outcome(None, None, None, "", _since(t0), True)
-        return Outcome(None, "client_timeout", None, "", _since(t0), False)
+        return Outcome(status, "client_timeout", None, "\n".join(lines), _since(t0), False)
+    except httpx.TransportError as e:  # the connection broke: before an answer, or mid-stream
+        code = "stream_broken" if status == 200 else "transport_error"
+        return Outcome(status, code, None, "\n".join(lines) or str(e), _since(t0), False)
 
 
 def _since(t0: float) -> float:
@@ -322,6 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", action="append", default=[], help="with --url: NAME=URL of a worker (drain oracle)")
     ap.add_argument("--assertion-key", type=Path, help="with --worker: the deployment's assertion key file")
     ap.add_argument("--deployment", help="with --worker: the deployment's name (the assertions' audience)")
+    ap.add_argument(
+        "--no-faults", dest="faults", action="store_false", help="skip the faults injected into the PD topology"
+    )
+    ap.add_argument(
+        "--fault",
+        action="append",
+        choices=[f.name for f in faults.FAULTS],
+        help="inject only this fault (repeatable; default: every one)",
+    )
     a = ap.parse_args(argv)
     profile = PROFILES[a.profile]
     if a.interleavings:
@@ -346,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush(target)
                 tally.findings += oracles.drain({}, idle_states(target, profile.bound_s))
             confirm_faults(target, tally)
+            if topology == "pd" and a.faults and not (a.replay or a.reintroduce_incident):
+                chosen = [f for f in faults.FAULTS if not a.fault or f.name in a.fault]
+                inject_faults(target, shape, profile, tally, chosen)
         except Exception:  # noqa: BLE001 - the suite itself broke: say so, still end with the summary
             broken.append(f"suite [{topology}] stopped: {traceback.format_exc()}")
         finally:
@@ -364,6 +392,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     unconfirmed = tally.faults_confirmed < tally.faults_injected
     return 1 if tally.findings or unconfirmed or broken else 0
+
+
+def inject_faults(target: Target, shape: Served, profile: Profile, tally: Tally, chosen: list) -> None:
+    """The chosen faults (faults.FAULTS), one after the other, each judged on its own, then the
+    drain oracle once the deployment is whole again."""
+    cache = tally.solo.setdefault(target.name, {})
+
+    def solo_run(c: Call) -> list[int] | None:
+        if c.solo_key not in cache:
+            alone = send(target, Call(c.tenant, c.prompt, c.max_new, False), "suite-fault-solo.", profile.bound_s)
+            if alone.status != 200:
+                return None
+            cache[c.solo_key] = alone.output_ids
+        return cache[c.solo_key]
+
+    for n, fault in enumerate(chosen):
+        r = faults.run(target, fault, n, shape, profile.bound_s, send, kv_states, solo_run)
+        tally.interleavings += 1
+        tally.requests += len(r.outcomes)
+        tally.faults_injected += 1
+        tally.faults_confirmed += r.confirmed
+        before = idle_states(target, profile.bound_s)
+        flush(target)
+        found = [*r.findings, *oracles.drain(before, idle_states(target, profile.bound_s))]
+        tally.findings += [dataclasses.replace(f, detail=f"[{fault.name}] {f.detail}") for f in found]
+        faults.report(r)
 
 
 def confirm_faults(target: Target, tally: Tally) -> None:

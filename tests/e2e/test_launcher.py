@@ -102,3 +102,33 @@ def test_disabled_guards_are_announced(tmp_path):
         assert "guards DISABLED" in launcher_output(tmp_path)
     finally:
         run.stop()
+
+
+def test_a_child_that_dies_after_ready_is_restarted_up_to_the_limit_then_everything_stops(tmp_path):
+    """restart_limit 1: the server, SIGKILLed after ready, comes back on its port with a new pid
+    (restarts.jsonl, ready.json) and serves again; the second death stops the deployment with
+    the reason, and no child is left."""
+    import os
+
+    cfg = tmp_path / "restart-once.toml"
+    cfg.write_text("restart_limit = 1\n" + config_text())
+    run = launch(tmp_path, "--config", str(cfg), "--topology", "single")
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    before = httpx.post(f"{run.url}/generate", json=body, headers=run.client_headers(), timeout=60).json()
+    old = next(p["pid"] for p in run.info["processes"] if p["name"] == "server")
+    os.killpg(old, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "restarts.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    (event,) = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+    assert event["name"] == "server" and event["old_pid"] == old and event["exit_code"] == -9, event
+    info = json.loads((tmp_path / "ready.json").read_text())
+    new = next(p["pid"] for p in info["processes"] if p["name"] == "server")
+    assert new == event["new_pid"] != old and info["restarts"] == {"server": 1}
+    after = httpx.post(f"{run.url}/generate", json=body, headers=run.client_headers(), timeout=60)
+    assert after.status_code == 200 and after.json()["output_ids"] == before["output_ids"], after.text
+    os.killpg(new, signal.SIGKILL)
+    rc, _ = wait_exit(run.proc, timeout=120)
+    out = launcher_output(tmp_path)
+    assert rc == 1 and "server exited with code -9" in out and "after 1 restart(s) (restart_limit 1)" in out, out
+    assert alive(info["all_pids"]) == []

@@ -3,11 +3,14 @@ suite through the launcher), and proof that it bites: with the incident reintrod
 off and a stale-row read of another tenant's KV) it reports leaks through two independent
 oracles, and its fault was confirmed to have fired."""
 
+import os
 import re
 import subprocess
 import sys
 
 import pytest
+
+from glm53_serving.suite.faults import FAULTS
 
 pytestmark = pytest.mark.e2e
 
@@ -17,12 +20,13 @@ SUMMARY = re.compile(
 )
 
 
-def suite(tmp_path, *args, timeout=1500):
+def suite(tmp_path, *args, timeout=1500, env=None):
     p = subprocess.run(
         [sys.executable, "-m", "glm53_serving.suite", "--out", str(tmp_path / "out"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     m = SUMMARY.match(last)
@@ -34,7 +38,28 @@ def test_the_ci_profile_finds_nothing_on_single_and_pd(tmp_path):
     p, (requests, tenants, interleavings, injected, confirmed, leaks, fired) = suite(tmp_path, "--profile", "ci")
     assert p.returncode == 0 and leaks == 0 and fired == 0, p.stderr[-4000:]
     assert requests >= 400 and tenants >= 4 and interleavings >= 16, p.stderr[-2000:]
-    assert injected == confirmed == 0
+    # every fault injected into PD fired (process state, restart, harness log, the slow client's
+    # clock) and was judged: no finding above
+    assert injected == confirmed == len(FAULTS), (injected, confirmed)
+    for f in FAULTS:
+        assert f"suite [fault {f.name}]: confirmed=True" in p.stderr, p.stderr[-4000:]
+
+
+def test_a_transfer_that_dropped_pages_without_decodes_check_is_a_finding(tmp_path):
+    """The fault oracle bites: with decode's handoff check off, the call whose latent pages never
+    arrived is served a 200 (from zeroed KV), and the suite says so and fails."""
+    p, (_, _, _, injected, confirmed, leaks, fired) = suite(
+        tmp_path,
+        "--topology",
+        "pd",
+        "--interleavings",
+        "1",
+        "--fault",
+        "transfer-drops-latent",
+        env={"GLM53_KV_GUARD_OFF": "handoff"},
+    )
+    assert p.returncode == 1 and injected == confirmed == 1 and fired >= 1, p.stderr[-4000:]
+    assert "[transfer-drops-latent] transfer-drops-latent: the call whose pages never arrived got a 200" in p.stderr
 
 
 def test_the_reintroduced_incident_is_caught_by_two_oracles(tmp_path):

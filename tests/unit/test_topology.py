@@ -23,6 +23,10 @@ def test_every_shipped_topology_loads(path):
         argv = topo.router_argv(1, 2, [("http://p", 3)], ["http://d"])
         assert {"--disable-retries", "--disable-circuit-breaker"} <= set(argv)
         assert argv[argv.index("--policy") + 1] == "manual"
+        # a dead worker leaves the rotation in seconds (checks every 2 s, out after 2 failures)
+        assert argv[argv.index("--health-check-interval-secs") + 1] == "2"
+        assert argv[argv.index("--health-failure-threshold") + 1] == "2"
+    assert topo.restart_limit == 3
 
 
 def test_cpu_default_derives_cpu_only_settings():
@@ -68,6 +72,8 @@ BAD = [
     (M + '[router]\nargs = ["--max-payload-size", "9"]\n', "max_payload_bytes"),
     (M + '[router]\nargs = ["--retry-max-retries", "3"]\n', "without retries"),
     (M + '[router]\nargs = ["--cb-failure-threshold", "50"]\n', "without a circuit breaker"),
+    (M + '[router]\nargs = ["--health-check-interval-secs", "60"]\n', "the launcher sets the health checks"),
+    ("restart_limit = -1\n" + M, "restart_limit must be 0 or more"),
     (
         'topology = "single"\n[model]\npreset = "glm53-tiny"\ncontext_length = 512\n[prefill]\nkv_tokens = 64\n',
         "KV budget",
