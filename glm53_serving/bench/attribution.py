@@ -97,12 +97,13 @@ def module_of(frame: str) -> str | None:
     return path.split(OURS, 1)[1].rsplit(".py", 1)[0].replace("/", ".")
 
 
-def shares(raw: Path) -> tuple[int, Counter, Counter, Counter]:
+def shares(raw: Path) -> tuple[int, Counter, Counter, Counter, Counter]:
     """Samples in all; per our module, samples that are on it (inclusive) and samples whose
     innermost frame is its (self: its own lines and the C calls they make, additive across
-    modules); per our function, self samples. The hook wrappers count by self only: every hooked
-    call runs under one, so their inclusive share is the hooked functions'."""
-    total, inclusive, own, functions = 0, Counter(), Counter(), Counter()
+    modules); per our function, self samples; per function of any code, self samples. The hook
+    wrappers count by self only: every hooked call runs under one, so their inclusive share is
+    the hooked functions'."""
+    total, inclusive, own, functions, anyone = 0, Counter(), Counter(), Counter(), Counter()
     for line in raw.read_text().splitlines() if raw.exists() else ():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():  # a frame name with a newline in it continues on the next line
@@ -112,11 +113,12 @@ def shares(raw: Path) -> tuple[int, Counter, Counter, Counter]:
         frames = stack.split(";")
         for m in {module_of(f) for f in frames} - {None, "hook wrappers"}:
             inclusive[m] += n
+        anyone[frames[-1].rsplit(":", 1)[0] + ")"] += n  # "fn (file)", without the line
         leaf = module_of(frames[-1])
         if leaf is not None:
             own[leaf] += n
             functions[f"{leaf}.{frames[-1][: frames[-1].rfind(' (')]}"] += n
-    return total, inclusive, own, functions
+    return total, inclusive, own, functions, anyone
 
 
 def main(argv=None) -> None:
@@ -199,12 +201,14 @@ def main(argv=None) -> None:
     )
     summary["throughput"], summary["ttft_p50_ms"] = tput, ttft
 
+    profiles = {}  # (side, role) -> the rounds' shares() summed
     for side in SIDES:
         for role in procs[side]:
-            total, inc, own, fns = 0, Counter(), Counter(), Counter()
+            total, inc, own, fns, anyone = 0, Counter(), Counter(), Counter(), Counter()
             for i in range(1, a.rounds + 1):
-                t, m, o, f = shares(a.out / f"{side}-{i}" / f"{role.replace('/', '.')}.txt")
-                total, inc, own, fns = total + t, inc + m, own + o, fns + f
+                t, m, o, f, y = shares(a.out / f"{side}-{i}" / f"{role.replace('/', '.')}.txt")
+                total, inc, own, fns, anyone = total + t, inc + m, own + o, fns + f, anyone + y
+            profiles[side, role] = total, anyone
             if not total or not (inc or own):
                 continue
             us = per_req[side][role]
@@ -220,6 +224,16 @@ def main(argv=None) -> None:
                 k: {"self": own[k] / total, "inclusive": inc[k] / total} for k in set(inc) | set(own)
             }
             summary["functions"][f"{side} {role}"] = {k: n / total for k, n in fns.most_common(40)}
+    # What the plugin adds outside our own frames (SGLang's, Starlette's, logging's, a thread's):
+    # the functions whose self share grew most from off to on, per process on both sides.
+    for role in procs["on"]:
+        (t_on, on), (t_off, off) = profiles["on", role], profiles.get(("off", role), (0, Counter()))
+        if not (t_on and t_off):
+            continue
+        grew = sorted(set(on) | set(off), key=lambda k: off[k] / t_off - on[k] / t_on)[:8]
+        print(f"\n{role}: largest self-share growth, on vs off")
+        for k in grew:
+            print(f"  {k[:70]:<70} {100 * on[k] / t_on:6.2f} % vs {100 * off[k] / t_off:6.2f} %")
     (a.out / "attribution.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"\nwrote {a.out}/attribution.json")
 
