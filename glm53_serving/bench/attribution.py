@@ -29,6 +29,7 @@ import json
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -43,6 +44,10 @@ from glm53_serving.topology import Topology, default_config_path
 # py-spy names a frame's file relative to its sys.path entry: "glm53_serving/kv_owner.py:12",
 # SGLang's hook wrappers "plugins/hook_registry.py:356" (or absolute, outside sys.path).
 OURS = "glm53_serving/"
+# The pinned py-spy beside this interpreter (a venv run without activating it), else on PATH.
+PY_SPY = (
+    str(Path(sys.executable).with_name("py-spy")) if Path(sys.executable).with_name("py-spy").exists() else "py-spy"
+)
 HOOK_WRAPPER = "plugins/hook_registry.py"
 
 
@@ -72,7 +77,7 @@ def profile(procs: dict[str, psutil.Process], out: Path, rate: int) -> dict[str,
     spies = {}
     for role, p in procs.items():
         if is_python(p):
-            cmd = ["py-spy", "record", "--pid", str(p.pid), "--rate", str(rate), "--nonblocking"]
+            cmd = [PY_SPY, "record", "--pid", str(p.pid), "--rate", str(rate), "--nonblocking"]
             cmd += ["--format", "raw", "--output", str(out / f"{role.replace('/', '.')}.txt")]
             spies[role] = subprocess.Popen(
                 cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
