@@ -223,6 +223,7 @@ def _zero_indexer(pool, slots: torch.Tensor) -> None:
     layer through sliced views took a decode step's zeroing 2x as long on the CPU)."""
     words = _index_words(pool)
     p = pool.page_size
+    slots = slots.to(torch.int64)  # word offsets outgrow int32 slot ids (a no-op for int64 ones)
     page, off = torch.div(slots, p, rounding_mode="floor"), torch.remainder(slots, p)
     if words is None:  # a layout that is not whole words: per part, as [page, slot] rows
         for keys, scales in index_k_parts(pool):
