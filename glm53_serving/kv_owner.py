@@ -99,13 +99,14 @@ def claim(allocator, slots: torch.Tensor, owners: torch.Tensor) -> None:
         return
     tags = tags_of(allocator)
     pages = _pages(slots, allocator.page_size)
-    current = tags[pages]
+    current = tags.index_select(0, pages)
     tags[pages] = torch.where(current == FREE, owners, current)
 
 
 def _pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    # (int32 slot ids index as they are; at page size 1 a slot is its page: no division op)
-    return slots if page_size == 1 else slots // page_size
+    # (int32 slot ids index as they are; at page size 1 a slot is its page: no division op;
+    # torch.div, not `//`, which goes through a Python wrapper on every call)
+    return slots if page_size == 1 else torch.div(slots, page_size, rounding_mode="floor")
 
 
 def release(allocator, pages: torch.Tensor) -> None:
@@ -122,10 +123,24 @@ def foreign(
     Positions at or beyond a row's length are masked out before anything depends on them:
     stale indices left in a reused row are never read (clamped only to keep the gather in range)."""
     tags = tags_of(allocator)
-    slots = req_to_token[rows, :max_len].clamp(0, tags.numel() * allocator.page_size - 1)
-    page_tags = tags[_pages(slots, allocator.page_size)]
-    live = torch.arange(max_len, device=slots.device)[None, :] < lens[:, None]
-    return live & (page_tags != owners[:, None])
+    # (index_select and a cached arange: the same values as advanced indexing and a fresh
+    # arange, in fewer and cheaper ops; this runs at every batch build)
+    slots = req_to_token[:, :max_len].index_select(0, rows).clamp_(0, tags.numel() * allocator.page_size - 1)
+    pages = _pages(slots, allocator.page_size)
+    page_tags = tags.index_select(0, pages.flatten()).view(pages.shape)
+    live = _positions(max_len, slots.device).unsqueeze(0) < lens.unsqueeze(1)
+    return live & (page_tags != owners.unsqueeze(1))
+
+
+_POSITIONS: dict[torch.device, torch.Tensor] = {}
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """arange(n) on `device`, sliced from one kept per device (grown when a longer one is asked)."""
+    cached = _POSITIONS.get(device)
+    if cached is None or cached.numel() < n:
+        cached = _POSITIONS[device] = torch.arange(max(n, 4096), device=device)
+    return cached[:n]
 
 
 # --- hooks ----------------------------------------------------------------------------------
