@@ -49,6 +49,10 @@ def report_state(result, self, *args, **kwargs):
         queue = getattr(self, name, None)
         waiting.append(queue if isinstance(queue, list) else getattr(queue, "queue", []))
     running = getattr(self, "running_batch", None)
+    # PD decode holds the pages of a request whose transfer failed until its prefill acks that
+    # nothing more is written into them, or SGLang's 30 s deadline (deferred KV release): held,
+    # not leaked, and no queue lists them.
+    transfer = getattr(self, "disagg_decode_transfer_queue", None)
     result.internal_state["glm53_kv"] = {
         "page_size": page,
         "pages": alloc.size // page,
@@ -57,6 +61,7 @@ def report_state(result, self, *args, **kwargs):
         "owned_pages": None if tags is None else int(torch.count_nonzero(tags)),
         "running_requests": len(running.reqs) if running is not None else 0,
         "queued_requests": sum(len(q) for q in waiting),
+        "deferred_releases": len(getattr(transfer, "_deferred_releases", None) or ()),
     }
     return result
 

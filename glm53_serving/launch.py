@@ -109,6 +109,7 @@ class Supervisor:
     probes: dict[str, Callable[[Child, httpx.Client], bool]] = field(default_factory=dict)
     headers: Callable[[], dict[str, str]] = dict
     restarts: dict[str, int] = field(default_factory=dict)
+    prefill_delay_s: float = 0.0  # topology.prefill_restart_delay_s()
 
     def start(self, child: Child) -> Child:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -156,6 +157,13 @@ class Supervisor:
             _kill_group(c.proc)  # its scheduler and detokenizer must not outlive it
             if c.name.startswith("decode-"):
                 self.abort_stranded(c.name)
+            if c.name.startswith("prefill-"):
+                # Back on the same bootstrap address only once every decode has seen it gone: a
+                # decode drops a prefill's cached endpoints (and fails what waits on it) after
+                # missed heartbeats; one that never saw it miss keeps sending the new prefill's
+                # requests to the dead one's endpoints, and both wait 300 s (seen in the suite).
+                say(f"{c.name} died: restarting it in {self.prefill_delay_s:g} s, once the decodes have dropped it")
+                time.sleep(self.prefill_delay_s)
             self.restarts[c.name] = done + 1
             c.ready, c.note = False, "restarting"
             self.start(c)
@@ -578,6 +586,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor, node: str | None = No
         p.gateway.name: gateway_probe,
     }
     sup.probes, sup.headers = probes, tenancy.admin_headers
+    sup.prefill_delay_s = topo.prefill_restart_delay_s() if topo.topology == "pd" else 0.0
     waited: set[str] = set()
     for stage in p.stages():
         local = [c for c in stage if c.name in mine]

@@ -244,6 +244,9 @@ ROUTER_SHARED_FATE_OFF = ("--disable-circuit-breaker", "--disable-retries")
 # gone (the router joins both halves). A live server answers /health at once, busy or not.
 ROUTER_HEALTH = ("--health-check-interval-secs", "2", "--health-failure-threshold", "2")
 ROUTER_DEAD_WORKER_S = 6.0
+# SGLang's defaults, set explicitly: a PD decode checks each prefill's bootstrap server every 5 s
+# and drops it (its cached endpoints, and the requests waiting on it) after 2 misses.
+PD_HEARTBEAT = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "5", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
 
 
 @dataclass(slots=True)
@@ -597,12 +600,29 @@ class Topology:
             out[env.DEPLOYMENT_LIMITS.name] = limits.to_env()
         if self.admission.clip_output:
             out[env.CLIP_OUTPUT.name] = "1"
+        if self.topology == "pd":  # explicit, so the launcher knows when decodes drop a dead prefill
+            out.update(PD_HEARTBEAT)
         if self.device == "cpu":
             out.update(cpu.ENV)
             if self.model.preset in DSA_PRESETS:
                 out[env.CPU_DSA.name] = "1"
         out.update(self.env)
         return out
+
+    def prefill_restart_delay_s(self) -> float:
+        """How long after a prefill's death every decode has dropped it: max-failure missed
+        heartbeats, one interval apart, each with its 3 s read timeout, and one interval more."""
+        e = self.process_env()
+        interval = float(
+            e.get("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", PD_HEARTBEAT["SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"])
+        )
+        failures = int(
+            e.get(
+                "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
+                PD_HEARTBEAT["SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"],
+            )
+        )
+        return max(interval, 2.0) * (max(failures, 1) + 1) + 3.0
 
     def server_argv(
         self, model_path: str, port: int, role: str, bootstrap_port: int | None = None, place: Placement | None = None

@@ -153,7 +153,7 @@ def idle_states(target: Target, bound_s: float) -> dict[str, dict]:
     deadline = time.monotonic() + bound_s
     while True:
         states = kv_states(target)
-        if all(not s["running_requests"] and not s["queued_requests"] for s in states.values()):
+        if all(not (s["running_requests"] or s["queued_requests"] or s["deferred_releases"]) for s in states.values()):
             return states
         if time.monotonic() > deadline:
             return states
@@ -197,7 +197,7 @@ def send(target: Target, call: Call, rid: str, timeout: float, read_delay: float
             if r.status_code != 200:
                 text = r.read().decode(errors="replace")
                 return Outcome(r.status_code, _code(text), None, text, _since(t0), False)
-            last, done = None, False
+            last, done, aborted = None, False, not call.abort
             for line in r.iter_lines():
                 lines.append(line)
                 if read_delay:
@@ -209,11 +209,17 @@ def send(target: Target, call: Call, rid: str, timeout: float, read_delay: float
                 last = json.loads(data)
                 if call.disconnect == "mid":
                     return Outcome(200, None, None, "\n".join(lines), _since(t0), True)
+                if not aborted:  # the tenant aborts its own request, by rid, through the client URL
+                    aborted = True
+                    a = httpx.post(f"{target.url}/abort_request", json={"rid": rid}, headers=headers, timeout=timeout)
+                    lines.append(f"abort_request: {a.status_code} {a.text}")
             text = "\n".join(lines)
             code = (last or {}).get("error", {}).get("code") if isinstance(last, dict) else None
             if code is None and not done:
                 code = "stream_unterminated"
-            return Outcome(200, code, (last or {}).get("output_ids"), text, _since(t0), False)
+            finish = ((last or {}).get("meta_info") or {}).get("finish_reason") if isinstance(last, dict) else None
+            finish = finish.get("type") if isinstance(finish, dict) else None
+            return Outcome(200, code, (last or {}).get("output_ids"), text, _since(t0), False, finish)
     except httpx.TimeoutException:
         if call.disconnect == "before_first":
             return Outcome(None, None, None, "", _since(t0), True)
@@ -254,7 +260,10 @@ def interleave(target: Target, calls: list[Call], profile: Profile, shape: Serve
     with ThreadPoolExecutor(max_workers=len(calls)) as pool:
         outcomes = list(pool.map(lambda ci: send(target, ci[0], ci[1], profile.bound_s), zip(calls, rids)))
     tally.requests += len(calls)
-    seen = Counter("left" if o.left else f"{o.status} {o.code or ''}".strip() for o in outcomes)
+    seen = Counter(
+        "left" if o.left else "200 aborted" if o.finish == "abort" else f"{o.status} {o.code or ''}".strip()
+        for o in outcomes
+    )
     print(f"suite [{tag}] interleaving {n}: {len(calls)} calls: {dict(sorted(seen.items()))}", file=sys.stderr)
     solo = tally.solo.setdefault(target.name, {})
     for c in calls:
@@ -401,7 +410,8 @@ def inject_faults(target: Target, shape: Served, profile: Profile, tally: Tally,
 
     def solo_run(c: Call) -> list[int] | None:
         if c.solo_key not in cache:
-            alone = send(target, Call(c.tenant, c.prompt, c.max_new, False), "suite-fault-solo.", profile.bound_s)
+            rid = f"suite-fault-solo-{len(cache)}."  # one each: a rid still in flight is refused as a duplicate
+            alone = send(target, Call(c.tenant, c.prompt, c.max_new, False), rid, profile.bound_s)
             if alone.status != 200:
                 return None
             cache[c.solo_key] = alone.output_ids

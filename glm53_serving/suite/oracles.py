@@ -19,6 +19,7 @@ class Outcome:
     body: str  # everything the client received, for the canary
     seconds: float
     left: bool  # the client disconnected on purpose
+    finish: str | None = None  # a 200's finish_reason type: "length", or "abort" for an aborted call
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,10 @@ def differential(calls: list[Call], outcomes: list[Outcome], solo: dict, served:
         if o.status != 200 or o.left or o.code is not None:
             continue
         alone = solo.get(c.solo_key)
+        if c.abort and o.finish == "abort":  # what it got before the abort: its own tokens so far
+            if alone is not None and o.output_ids is not None and o.output_ids != alone[: len(o.output_ids)]:
+                found.append(Finding("differential", i, "an aborted call's tokens so far are not its own"))
+            continue
         if o.output_ids is None or len(o.output_ids) != expected_tokens(c, served):
             found.append(
                 Finding("differential", i, f"{len(o.output_ids or [])} tokens, not {expected_tokens(c, served)}")
@@ -121,9 +126,14 @@ def drain(before: dict[str, dict], after: dict[str, dict]) -> list[Finding]:
     found = []
     for worker, s in before.items():
         used = s["pages"] - s["free_pages"]
-        if s["running_requests"] or s["queued_requests"]:
+        if s["running_requests"] or s["queued_requests"] or s.get("deferred_releases"):
             found.append(
-                Finding("drain", None, f"{worker} holds {s['running_requests']} running, {s['queued_requests']} queued")
+                Finding(
+                    "drain",
+                    None,
+                    f"{worker} holds {s['running_requests']} running, {s['queued_requests']} queued, "
+                    f"{s.get('deferred_releases', 0)} awaiting a deferred KV release",
+                )
             )
         if used != s["evictable_pages"]:
             found.append(

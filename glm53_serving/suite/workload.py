@@ -32,10 +32,13 @@ class Call:
     stream: bool
     disconnect: str | None = None  # the client leaves: before its first token, or mid-stream
     incident: bool = False  # --reintroduce-incident: the harness gives it another tenant's live slot
+    abort: bool = False  # its client aborts it through the API (/abort_request, its rid) at its first token
 
     def __post_init__(self):
         if self.disconnect not in DISCONNECTS or (self.disconnect and not self.stream):
             raise ValueError(f"not a call: {self}")
+        if self.abort and (not self.stream or self.disconnect):
+            raise ValueError(f"an aborted call is streamed and read to its end: {self}")
 
     @property
     def solo_key(self) -> tuple:
@@ -107,7 +110,8 @@ def workloads(served: Served, tenants: list[str], min_calls: int, max_calls: int
                     max_new = draw(st.integers(1, min(max_new_cap, budget)))
             stream = draw(st.booleans())
             disconnect = draw(st.sampled_from((None, None, None, "before_first", "mid"))) if stream else None
-            calls.append(Call(tenant, tuple(body), max_new, stream, disconnect))
+            abort = stream and disconnect is None and draw(st.sampled_from((False, False, True)))
+            calls.append(Call(tenant, tuple(body), max_new, stream, disconnect, abort=abort))
         return calls
 
     return draw_workload()

@@ -47,8 +47,22 @@ def test_the_status_oracle_predicts_what_admission_decides(prompt, max_new, cap)
     assert oracles.predicted(Call("suite-a", (5,) * prompt, max_new, False), shape) == decided
 
 
-def out(ids=None, status=200, code=None, body="", left=False, seconds=1.0):
-    return Outcome(status, code, ids, body, seconds, left)
+def out(ids=None, status=200, code=None, body="", left=False, seconds=1.0, finish=None):
+    return Outcome(status, code, ids, body, seconds, left, finish)
+
+
+def test_an_aborted_call_may_end_early_with_its_own_tokens_only():
+    c = Call("suite-a", (5, 6, 7, 8), 4, True, abort=True)
+    solo = {c.solo_key: [1, 2, 3, 4]}
+    assert oracles.differential([c], [out([1, 2], finish="abort")], solo, SHAPE) == []  # aborted after 2
+    assert oracles.differential([c], [out([1, 2, 3, 4], finish="length")], solo, SHAPE) == []  # the abort lost the race
+    (f,) = oracles.differential([c], [out([1, 7], finish="abort")], solo, SHAPE)
+    assert "tokens so far are not its own" in f.detail
+    # a "length" finish short of what it asked is what an abort must never turn into (sglang PR 33508)
+    (f,) = oracles.differential([c], [out([1, 2], finish="length")], solo, SHAPE)
+    assert "2 tokens, not 4" in f.detail
+    with pytest.raises(ValueError):
+        Call("suite-a", (5,), 4, False, abort=True)  # an aborted call is streamed
 
 
 def test_the_differential_oracle_fires_on_other_tokens_or_another_length_only():
@@ -86,8 +100,9 @@ def test_the_status_oracle_fires_on_a_wrong_status_or_code_or_a_wait_past_the_bo
     assert "got 200 kv_isolation_violation" in f.detail
 
 
-def state(pages=32, free=32, evictable=0, owned=0, running=0, queued=0):
+def state(pages=32, free=32, evictable=0, owned=0, running=0, queued=0, deferred=0):
     return {
+        "deferred_releases": deferred,
         "pages": pages,
         "free_pages": free,
         "evictable_pages": evictable,
@@ -104,6 +119,7 @@ def state(pages=32, free=32, evictable=0, owned=0, running=0, queued=0):
         (state(free=30, evictable=2, owned=2), state(), False),  # two cached pages, then flushed
         (state(free=30, evictable=2, owned=None), state(owned=None), False),  # owner part off: tags unknown
         (state(running=1), state(), True),  # a request still held
+        (state(free=30, owned=2, deferred=1), state(), True),  # a failed transfer's pages, not yet released
         (state(free=29, evictable=2, owned=3), state(), True),  # a page in use that no cache holds
         (state(free=30, evictable=2, owned=3), state(), True),  # a tag on a free page
         (state(), state(free=31), True),  # a page not back after the flush

@@ -26,6 +26,9 @@ def test_every_shipped_topology_loads(path):
         # a dead worker leaves the rotation in seconds (checks every 2 s, out after 2 failures)
         assert argv[argv.index("--health-check-interval-secs") + 1] == "2"
         assert argv[argv.index("--health-failure-threshold") + 1] == "2"
+        # decodes drop a dead prefill after 2 missed heartbeats 5 s apart; its restart waits for that
+        assert topo.process_env()["SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"] == "5"
+        assert topo.prefill_restart_delay_s() == 18.0
     assert topo.restart_limit == 3
 
 
