@@ -21,7 +21,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from glm53_serving import env, tenants
 from glm53_serving.bench.serving import start, stop
-from glm53_serving.suite import faults, oracles
+from glm53_serving.suite import allocator, faults, oracles
 from glm53_serving.suite.oracles import Finding, Outcome
 from glm53_serving.suite.workload import Call, Served, from_json, to_json, workloads
 from glm53_serving.topology import default_config_path
@@ -39,12 +39,13 @@ class Profile:
     max_calls: int
     max_new_cap: int
     bound_s: float  # nothing waits longer
+    machine_scale: float  # the allocator state machines' examples, times the unit suite's
 
 
 PROFILES = {
     # 8 x >= 25 calls: at least 200 interleaved requests per topology, a few minutes each on 2 cores
-    "ci": Profile(interleavings=8, min_calls=25, max_calls=32, max_new_cap=16, bound_s=180),
-    "thorough": Profile(interleavings=120, min_calls=25, max_calls=64, max_new_cap=96, bound_s=600),
+    "ci": Profile(interleavings=8, min_calls=25, max_calls=32, max_new_cap=16, bound_s=180, machine_scale=1.0),
+    "thorough": Profile(interleavings=120, min_calls=25, max_calls=64, max_new_cap=96, bound_s=600, machine_scale=10.0),
 }
 
 
@@ -389,6 +390,13 @@ def main(argv: list[str] | None = None) -> int:
             if target.proc is not None:
                 stop(target.proc)
     tally.findings += oracles.cross_topology(tally.solo)
+    if not a.replay:
+        try:
+            steps, found = allocator.run(profile.machine_scale, timeout_s=3600)
+            print(f"suite [allocator]: {steps} state-machine steps", file=sys.stderr)
+            tally.findings += found
+        except Exception:  # noqa: BLE001 - as above
+            broken.append(f"suite [allocator] stopped: {traceback.format_exc()}")
     for f in tally.findings:
         print(f"suite: [{f.oracle}] call {f.call}: {f.detail}", file=sys.stderr)
     for b in broken:

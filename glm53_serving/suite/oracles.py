@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 from glm53_serving.suite.workload import MARKER_LEN, Call, Served, marker
 
-ORACLES = ("differential", "canary", "status", "drain")
-LEAK_ORACLES = ("differential", "canary")  # what they report is another tenant's data, or may be
+ORACLES = ("differential", "canary", "status", "drain", "allocator")
+# what they report is another tenant's data, or may be (a failing allocator machine: a slot handed
+# out unzeroed, or a row reading another owner's page)
+LEAK_ORACLES = ("differential", "canary", "allocator")
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from glm53_serving import kv_owner, kv_zero
 from tests.unit import real_hooks
+from tests.unit.machine_steps import CountedSteps, examples
 
 kv_hooks = pytest.fixture(autouse=True)(real_hooks.fixture(("zero", "owner"), real_hooks.batch_rows))
 
@@ -164,7 +165,7 @@ class Scheduler:
         return self.r2t[req.kv.req_pool_idx, : n if n is not None else req.kv.kv_allocated_len].to(torch.int64)
 
 
-class OwnerTags(RuleBasedStateMachine):
+class OwnerTags(CountedSteps, RuleBasedStateMachine):
     """Requests of several namespaces extend, decode, share cached prefixes, finish and are
     evicted; every allocation is a real batch build (prepare_for_extend / prepare_for_decode ->
     alloc_for_extend / alloc_for_decode, hooked), so the plugin tags and checks because SGLang
@@ -190,6 +191,7 @@ class OwnerTags(RuleBasedStateMachine):
 
     def teardown(self):
         logging.getLogger("glm53_serving").removeHandler(self._log)
+        super().teardown()
 
     # -- helpers ------------------------------------------------------------------------------
     def _row(self, row, n):
@@ -364,7 +366,7 @@ class OwnerTagsMLA(OwnerTags):
     mla = True
 
 
-_settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+_settings = settings(max_examples=examples(40), stateful_step_count=30, deadline=None)
 TestOwnerTags = OwnerTags.TestCase
 TestOwnerTags.settings = _settings
 TestOwnerTagsPaged = OwnerTagsPaged.TestCase

@@ -16,6 +16,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool
 
 from glm53_serving import kv_zero
 from tests.unit import real_hooks
+from tests.unit.machine_steps import CountedSteps, examples
 
 zero_hooks = pytest.fixture(real_hooks.fixture(("zero",)))
 
@@ -57,7 +58,7 @@ def slot_views(pool, slots) -> list[tuple[torch.Tensor, tuple]]:
     return views
 
 
-class ZeroBeforeReuse(RuleBasedStateMachine):
+class ZeroBeforeReuse(CountedSteps, RuleBasedStateMachine):
     page_size, dsa, max_alloc = 1, False, 24
 
     def __init__(self):
@@ -109,9 +110,9 @@ def _case(machine, **kw):
     return case
 
 
-TestZeroBeforeReuse = _case(ZeroBeforeReuse, max_examples=150, stateful_step_count=40)
-TestZeroBeforeReusePaged = _case(ZeroBeforeReusePaged, max_examples=150, stateful_step_count=40)
-TestZeroBeforeReuseDSA = _case(ZeroBeforeReuseDSA, max_examples=60, stateful_step_count=20)
+TestZeroBeforeReuse = _case(ZeroBeforeReuse, max_examples=examples(150), stateful_step_count=40)
+TestZeroBeforeReusePaged = _case(ZeroBeforeReusePaged, max_examples=examples(150), stateful_step_count=40)
+TestZeroBeforeReuseDSA = _case(ZeroBeforeReuseDSA, max_examples=examples(60), stateful_step_count=20)
 
 
 def test_without_the_guard_a_reused_slot_holds_the_previous_owners_kv():
