@@ -222,8 +222,7 @@ class Supervisor:
         for p in info["processes"]:
             p["pid"] = pids.get(p["name"], p["pid"])
         info["all_pids"], info["restarts"] = self.pids(), dict(self.restarts)
-        (self.run_dir / "ready.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(self.run_dir / "ready.json.tmp", ready)
+        write_ready(self.run_dir, info)
 
     def pids(self) -> list[int]:
         """Every process we own: the children and all their descendants."""
@@ -634,10 +633,15 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor, node: str | None = No
             "deployment": tenancy.deployment,  # the audience of its assertions: tenants.audience(deployment)
         },
     }
-    # Whoever waits for ready.json reads it as soon as it exists: it appears whole, or not at all.
+    write_ready(run_dir, info)
+    return {**info, "demo_key": tenancy.demo_keys.get("demo")}
+
+
+def write_ready(run_dir: Path, info: dict) -> None:
+    """ready.json, at start-up and after each restart. Whoever waits for it reads it as soon as it
+    exists: it appears whole, or not at all."""
     (run_dir / "ready.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
     os.replace(run_dir / "ready.json.tmp", run_dir / "ready.json")
-    return {**info, "demo_key": tenancy.demo_keys.get("demo")}
 
 
 def print_ready(info: dict) -> None:
