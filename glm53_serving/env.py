@@ -72,6 +72,11 @@ SERVING_DISABLE = Var("GLM53_SERVING_DISABLE", '"1": every guard off (benchmarks
 KV_GUARD_OFF = Var(
     "GLM53_KV_GUARD_OFF", "comma list of KV guard parts to switch off (zero, owner, handoff)", "operator"
 )
+BATCH_INVARIANT = Var(
+    "GLM53_BATCH_INVARIANT",
+    '"1": CPU matmuls computed batch-invariantly (batch_invariant.py), for the isolation suite\'s servers',
+    "operator",
+)
 TOPOLOGY = Var("GLM53_TOPOLOGY", "the launcher's default topology file", "operator")
 CACHE_DIR = Var("GLM53_CACHE_DIR", "where embedded models are generated", "operator")
 
@@ -87,6 +92,7 @@ VARS: tuple[Var, ...] = (
     PREFILL_BOOTSTRAP,
     SERVING_DISABLE,
     KV_GUARD_OFF,
+    BATCH_INVARIANT,
     TOPOLOGY,
     CACHE_DIR,
 )

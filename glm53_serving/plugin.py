@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
-from glm53_serving import env, hooks
+from glm53_serving import batch_invariant, env, hooks
 
 logger = logging.getLogger("glm53_serving")
 
@@ -85,6 +85,7 @@ def register() -> None:
     except Exception as e:  # noqa: BLE001
         _problems.append(f"registering hooks failed: {type(e).__name__}: {e}")
         _active = hooks.HOOKS  # verify everything: it cannot all be in place
+    _problems.extend(_batch_invariance())
     if _disabled:
         logger.warning(
             "\n%s\n!! glm53_serving guards are DISABLED (%s=1): this server does NOT enforce\n"
@@ -101,6 +102,18 @@ def register() -> None:
             os.environ.get(KV_OFF_ENV),
             ", ".join(sorted(_kv_off)),
         )
+
+
+def _batch_invariance() -> list[str]:
+    raw = env.BATCH_INVARIANT.get() or ""
+    if raw in ("", "0"):
+        return []
+    if raw != "1":
+        return [f"{env.BATCH_INVARIANT.name}={raw!r}: set it to 1 or unset it"]
+    try:
+        return batch_invariant.enable(cpu=_is_cpu())
+    except Exception as e:  # noqa: BLE001 - a server asked to be deterministic that is not refuses to start
+        return [f"{env.BATCH_INVARIANT.name}=1 could not be applied: {type(e).__name__}: {e}"]
 
 
 def problems(process: str) -> list[str]:
@@ -130,6 +143,7 @@ def status() -> dict:
         "kv_guard": {part: not _disabled and part not in _kv_off for part in hooks.KV_PARTS},
         "kv_guard_off_by": f"{KV_OFF_ENV}={os.environ.get(KV_OFF_ENV)}" if _kv_off and not _disabled else None,
         "hooks": [h.target for h in _active],
+        "batch_invariant": batch_invariant.active(),
     }
 
 

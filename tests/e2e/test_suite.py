@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,20 @@ def test_the_ci_profile_finds_nothing_on_single_and_pd(tmp_path):
     assert injected == confirmed == len(FAULTS), (injected, confirmed)
     for f in FAULTS:
         assert f"suite [fault {f.name}]: confirmed=True" in p.stderr, p.stderr[-4000:]
+
+
+def test_62_calls_at_once_on_the_dsa_model_each_answer_as_they_do_alone(tmp_path):
+    """The thorough run's differential finding (docs/suite-traces/thorough-2026-12-07.json): one
+    call of 62 differed from its solo run at token 35 while MKL's matmul rows moved with the batch.
+    The suite's servers compute batch-invariantly (GLM53_BATCH_INVARIANT), and the same 62 calls
+    replayed match their solo runs token for token."""
+    trace = Path(__file__).resolve().parents[2] / "docs" / "suite-traces" / "thorough-2026-12-07.json"
+    p, (requests, _, _, _, _, leaks, fired) = suite(
+        tmp_path, "--profile", "thorough", "--topology", "single", "--replay", str(trace)
+    )
+    assert p.returncode == 0 and leaks == 0 and fired == 0, p.stderr[-4000:]
+    assert requests == 62 and "suite [single]: batch-invariant workers: 1/1" in p.stderr, p.stderr[-2000:]
+    assert re.search(r"interleaving 0: 62 calls: \{'200': 4\d", p.stderr), p.stderr[-2000:]
 
 
 def test_a_transfer_that_dropped_pages_without_decodes_check_is_a_finding(tmp_path):
