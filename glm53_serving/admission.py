@@ -188,3 +188,42 @@ def set_limits(limits: Limits) -> None:
 
 def current_limits() -> Limits | None:
     return _limits
+
+
+# --- session turns, in the scheduler -----------------------------------------------------------
+
+
+def session_turn_hook(original, self, req, *args, **kwargs):
+    """AROUND Session.create_req (scheduler): a session turn's prompt is the session's history
+    (earlier prompts and outputs) plus what the client sent, and the HTTP process checked only
+    the latter. Found by the isolation suite: a 150-token turn after 220 tokens of history, asking
+    for 40, was served 410 tokens where the deployment advertises 384. The whole turn is admitted
+    here by the same formula; one that does not fit ends 400 `context_length_exceeded` (as its
+    first and only output, so before any byte of a 200) and leaves the session as it was."""
+    new_req = original(self, req, *args, **kwargs)
+    if new_req.finished_reason is not None or getattr(new_req, "to_finish", None) is not None:
+        return new_req  # upstream refused it already (unknown rid, unfinished parent, ...)
+    limits = _limits
+    params = new_req.sampling_params
+    try:
+        if limits is None:  # set at start-up (startup.py); fail closed anyway
+            raise ClientError("internal_error", "This server's admission limits are not set; it refuses every request.")
+        params.max_new_tokens = check(
+            limits, len(new_req.origin_input_ids), params.max_new_tokens, clip_output(), prompt_param="input_ids"
+        )
+        return new_req
+    except ClientError as e:
+        _forget_turn(self, new_req)
+        new_req.set_finish_with_abort(e.message, status_code=e.status, err_type=e.code)
+        return new_req
+
+
+def _forget_turn(session, req) -> None:
+    """Undo what create_req recorded for a turn it accepted: the turn is refused, not part of
+    the conversation (a later turn cannot continue from it)."""
+    if session.streaming:
+        session._inflight = False
+        return
+    node = session.req_nodes.pop(req.rid, None)
+    if node is not None and node.parent is not None and node in node.parent.children:
+        node.parent.children.remove(node)

@@ -158,6 +158,14 @@ HOOKS: tuple[Hook, ...] = (
         "another tenant closing a session gets 404, as for a session that does not exist",
     ),
     Hook(
+        "sglang.srt.session.session_controller.Session.create_req",
+        Kind.AROUND,
+        "glm53_serving.admission:session_turn_hook",
+        ("self", "req"),
+        "a session turn (history + new input) is admitted whole by the deployment's length limit; "
+        "the HTTP process sees only the new input",
+    ),
+    Hook(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
         Kind.AROUND,
         "glm53_serving.tenant_guard:abort_request_hook",

@@ -54,7 +54,13 @@ class HardRejectMiddleware:
 
 
 # FINISH_ABORT.err_type values our scheduler-side guards set -> contract code (errors.py)
-_KV_ABORTS = {"kv_isolation_violation": "kv_isolation_violation", "kv_handoff_mismatch": "kv_handoff_mismatch"}
+_KV_ABORTS = {
+    "kv_isolation_violation": "kv_isolation_violation",
+    "kv_handoff_mismatch": "kv_handoff_mismatch",
+    # a session turn longer than the deployment serves (admission.session_turn_hook)
+    "context_length_exceeded": "context_length_exceeded",
+    "max_tokens_exceeded": "max_tokens_exceeded",
+}
 
 
 def contract_abort_hook(self, out, state, is_stream, *args, **kwargs):

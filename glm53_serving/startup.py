@@ -102,6 +102,7 @@ def scheduler_verified_info(result: dict, self) -> dict:
         except (TypeError, ValueError) as e:
             deployment, problems = None, [*problems, f"{env.DEPLOYMENT_LIMITS.name} is malformed: {e}"]
         problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
+        admission.set_limits(deployment or Limits.of([cap]))  # for session turns (admission.session_turn_hook)
         problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
         if plugin.kv_part_on("handoff"):
             kv_handoff.attach(self)  # PD prefill counts the zero slots it sends (kv_handoff.py)

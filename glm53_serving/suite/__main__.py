@@ -183,12 +183,45 @@ def send(target: Target, call: Call, rid: str, timeout: float, read_delay: float
     reads. A stream cut short at the transport is a 200 with code "stream_broken" (the client
     can tell: the chunked body never ended); one that ends cleanly without SGLang's [DONE] and
     without an error event, "stream_unterminated" (a client cannot tell it from success)."""
+    if call.then:
+        return _send_session(target, call, rid, timeout)
+    return _send(target, call, rid, timeout, read_delay)
+
+
+def _send_session(target: Target, call: Call, rid: str, timeout: float) -> Outcome:
+    """A session continuation: open a session, turn 1, turn 2 continuing it, close it. The
+    outcome is turn 2's, judged as `call.continued(turn 1's output)`; the canary reads both."""
+    headers = {"Authorization": f"Bearer {target.keys[call.tenant]}"}
+    t0, first = time.monotonic(), call.first_turn()
+    r = httpx.post(
+        f"{target.url}/open_session", json={"capacity_of_str_len": 1 << 16}, headers=headers, timeout=timeout
+    )
+    if r.status_code != 200:
+        return Outcome(r.status_code, _code(r.text), None, r.text, _since(t0), False, effective=first)
+    sid = r.json()
+    try:
+        one = _send(target, first, f"{rid}t1", timeout, session={"id": sid})
+        if one.status != 200 or one.code is not None:
+            return dataclasses.replace(one, effective=first)
+        two = _send(target, call, rid, timeout, session={"id": sid, "rid": f"{rid}t1"})
+        return dataclasses.replace(
+            two, body=f"{one.body}\n{two.body}", effective=call.continued(one.output_ids), seconds=_since(t0)
+        )
+    finally:
+        httpx.post(f"{target.url}/close_session", json={"session_id": sid}, headers=headers, timeout=timeout)
+
+
+def _send(
+    target: Target, call: Call, rid: str, timeout: float, read_delay: float = 0.0, session: dict | None = None
+) -> Outcome:
     body = {
         "rid": rid,
-        "input_ids": list(call.prompt),
+        "input_ids": list(call.then or call.prompt),
         "stream": call.stream,
         "sampling_params": {"max_new_tokens": call.max_new, "temperature": 0, "ignore_eos": True},
     }
+    if session is not None:
+        body["session_params"] = session
     headers = {"Authorization": f"Bearer {target.keys[call.tenant]}"}
     t0, status, lines = time.monotonic(), None, []
     try:
@@ -274,7 +307,11 @@ def interleave(target: Target, calls: list[Call], profile: Profile, shape: Serve
         "left" if o.left else "200 aborted" if o.finish == "abort" else f"{o.status} {o.code or ''}".strip()
         for o in outcomes
     )
-    print(f"suite [{tag}] interleaving {n}: {len(calls)} calls: {dict(sorted(seen.items()))}", file=sys.stderr)
+    turns = sum(bool(c.then) for c in calls)
+    also = f" ({turns} continue a session)" if turns else ""
+    print(f"suite [{tag}] interleaving {n}: {len(calls)} calls{also}: {dict(sorted(seen.items()))}", file=sys.stderr)
+    # A session continuation is judged as the one call it amounts to (Call.continued).
+    calls = [o.effective or c for c, o in zip(calls, outcomes)]
     solo = tally.solo.setdefault(target.name, {})
     for c in calls:
         if oracles.predicted(c, shape)[0] == 200 and c.solo_key not in solo:
@@ -308,7 +345,8 @@ def kv_canary(target: Target, rids: list[str]) -> list[Finding]:
 
 
 def explore(target: Target, profile: Profile, shape: Served, tally: Tally, out: Path, reintroduce: bool) -> None:
-    strategy = workloads(shape, target.tenants, profile.min_calls, profile.max_calls, profile.max_new_cap)
+    sessions = target.name == "single"  # SGLang's sessions are not served in PD
+    strategy = workloads(shape, target.tenants, profile.min_calls, profile.max_calls, profile.max_new_cap, sessions)
 
     @settings(
         max_examples=profile.interleavings,
@@ -383,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             shape = served(target)
             if a.replay:
                 calls, _ = from_json(a.replay.read_text())
+                if topology != "single":  # session continuations are the single topology's
+                    calls = [c for c in calls if not c.then]
                 tally.findings += interleave(target, calls, profile, shape, tally, "replay")
             else:
                 explore(target, profile, shape, tally, a.out, a.reintroduce_incident)

@@ -22,6 +22,9 @@ class Outcome:
     seconds: float
     left: bool  # the client disconnected on purpose
     finish: str | None = None  # a 200's finish_reason type: "length", or "abort" for an aborted call
+    # A session continuation's turn 2 as the one call it amounts to (Call.continued), or its first
+    # turn if that failed; what the oracles judge it as. None: the call itself.
+    effective: Call | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 TOKENS = (5, 470)
 MARKER_BASE, MARKER_LEN = 480, 3
 DISCONNECTS = (None, "before_first", "mid")
+FIRST_TURN = 4  # output tokens of a session's first turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +34,26 @@ class Call:
     disconnect: str | None = None  # the client leaves: before its first token, or mid-stream
     incident: bool = False  # --reintroduce-incident: the harness gives it another tenant's live slot
     abort: bool = False  # its client aborts it through the API (/abort_request, its rid) at its first token
+    # A session continuation (single topology): `prompt` opens a session as turn 1, answered with
+    # FIRST_TURN tokens; `then` is turn 2's input, which continues turn 1, and everything above
+    # (max_new, stream, disconnect, abort) is turn 2's. Its prompt is prompt + turn 1's output + then.
+    then: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.disconnect not in DISCONNECTS or (self.disconnect and not self.stream):
             raise ValueError(f"not a call: {self}")
         if self.abort and (not self.stream or self.disconnect):
             raise ValueError(f"an aborted call is streamed and read to its end: {self}")
+        if self.then and self.incident:
+            raise ValueError(f"the incident's call is one turn: {self}")
+
+    def first_turn(self) -> Call:
+        return Call(self.tenant, self.prompt, FIRST_TURN, False)
+
+    def continued(self, first_output: list[int]) -> Call:
+        """What turn 2 is as one call: the session's history and its own input as the prompt."""
+        prompt = (*self.prompt, *first_output, *self.then)
+        return Call(self.tenant, prompt, self.max_new, self.stream, self.disconnect, abort=self.abort)
 
     @property
     def solo_key(self) -> tuple:
@@ -58,11 +73,16 @@ def to_json(calls: list[Call], tenants: list[str]) -> str:
 
 def from_json(text: str) -> tuple[list[Call], list[str]]:
     raw = json.loads(text)
-    return [Call(**{**c, "prompt": tuple(c["prompt"])}) for c in raw["calls"]], raw["tenants"]
+    return [Call(**{**c, "prompt": tuple(c["prompt"]), "then": tuple(c.get("then", ()))}) for c in raw["calls"]], raw[
+        "tenants"
+    ]
 
 
-def workloads(served: Served, tenants: list[str], min_calls: int, max_calls: int, max_new_cap: int):
-    """One interleaving: `min_calls` to `max_calls` calls, from every tenant."""
+def workloads(
+    served: Served, tenants: list[str], min_calls: int, max_calls: int, max_new_cap: int, sessions: bool = False
+):
+    """One interleaving: `min_calls` to `max_calls` calls, from every tenant; with `sessions`,
+    some of them continue a session (SGLang's sessions: the single topology)."""
     if MARKER_BASE + MARKER_LEN * len(tenants) > 512:
         raise ValueError("too many tenants for the marker space")
     p = served.page
@@ -97,6 +117,20 @@ def workloads(served: Served, tenants: list[str], min_calls: int, max_calls: int
                 prefix = draw(st.sampled_from(shared))[: length - MARKER_LEN]  # the marker always fits
                 body = list(prefix) + body if draw(st.booleans()) else body + list(prefix)
             body = (body + tokens(draw(st.integers(0, 2**32)), length))[:length]
+            then: list[int] = []
+            if sessions and kind in ("tiny", "short") and draw(st.sampled_from((False,) * 4 + (True,))):
+                # turn 2 brings the whole (history + its input) anywhere from short to over the limit
+                total = draw(
+                    st.one_of(
+                        st.integers(length + FIRST_TURN + 1, served.max_prompt),
+                        st.just(served.max_prompt),
+                        st.integers(served.max_prompt + 1, served.max_prompt + 40),
+                    )
+                )
+                then = (list(marker(tenants, tenant)) + tokens(draw(st.integers(0, 2**32)), total))[
+                    : total - length - FIRST_TURN
+                ]
+                length = total
             budget = served.max_model_len - length
             if budget < 1:  # an over-length prompt: refused whatever it asks
                 max_new = draw(st.integers(1, max_new_cap))
@@ -111,7 +145,7 @@ def workloads(served: Served, tenants: list[str], min_calls: int, max_calls: int
             stream = draw(st.booleans())
             disconnect = draw(st.sampled_from((None, None, None, "before_first", "mid"))) if stream else None
             abort = stream and disconnect is None and draw(st.sampled_from((False, False, True)))
-            calls.append(Call(tenant, tuple(body), max_new, stream, disconnect, abort=abort))
+            calls.append(Call(tenant, tuple(body), max_new, stream, disconnect, abort=abort, then=tuple(then)))
         return calls
 
     return draw_workload()

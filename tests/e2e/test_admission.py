@@ -375,3 +375,45 @@ def test_the_output_limit_is_advertised_enforced_and_fills_in_an_unset_max_token
     finally:
         run.stop()
         assert alive(run.info["all_pids"]) == []
+
+
+# --- session turns: the history counts --------------------------------------------------------
+
+
+def test_a_session_turn_is_admitted_whole_with_its_history(single):
+    """A turn continues a session: its prompt is the history (earlier prompts and outputs) plus
+    its own input. The HTTP process sees only the input; the scheduler admits the whole turn by
+    the same formula (found by the isolation suite: 220 tokens of history + 150 new + 40 asked
+    were served 410 tokens past the advertised 384). Streamed or not, the turn over the limit is
+    the contract 400 before any byte; an unset max_tokens is the rest of the budget; a refused
+    turn is not part of the session."""
+    url, h = single.url, single.client_headers("demo")
+    sid = httpx.post(f"{url}/open_session", json={"capacity_of_str_len": 65536}, headers=h, timeout=30).json()
+
+    def turn(rid, ids, max_new, parent=None, stream=False):
+        sp = {"id": sid} if parent is None else {"id": sid, "rid": parent}
+        params = {"temperature": 0, "ignore_eos": True} | ({} if max_new is None else {"max_new_tokens": max_new})
+        body = {"rid": rid, "input_ids": ids, "stream": stream, "session_params": sp, "sampling_params": params}
+        return httpx.post(f"{url}/generate", json=body, headers=h, timeout=300)
+
+    try:
+        first = turn(f"s1-{sid}", [7] * 40, 8)
+        assert first.status_code == 200 and len(first.json()["output_ids"]) == 8, first.text[:300]
+        history = 40 + 8
+        new = T - history - 3  # fits alone (new + 4 <= T) but not after the history
+        for stream in (False, True):
+            r = turn(f"s2-{stream}-{sid}", [9] * new, 4, parent=f"s1-{sid}", stream=stream)
+            assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text[:300]
+            err = r.json()["error"]
+            assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error", err
+            assert f"at most {T} tokens" in err["message"] and f"{history + new} prompt tokens + 4" in err["message"]
+        gone = turn(f"s3-{sid}", [9], 1, parent=f"s2-False-{sid}")  # the refused turn is no parent
+        assert gone.status_code == 400 and "Invalid request session id" in gone.text, gone.text[:300]
+        # the same turn with the budget left: served, and an unset max_tokens gets exactly that
+        fits = turn(f"s4-{sid}", [9] * new, 3, parent=f"s1-{sid}")
+        assert fits.status_code == 200 and fits.json()["meta_info"]["prompt_tokens"] == T - 3, fits.text[:300]
+        rest = turn(f"s5-{sid}", [9] * (new - 10), None, parent=f"s1-{sid}")
+        assert rest.status_code == 200, rest.text[:300]
+        assert rest.json()["meta_info"]["completion_tokens"] == T - (history + new - 10), rest.text[-300:]
+    finally:
+        httpx.post(f"{url}/close_session", json={"session_id": sid}, headers=h, timeout=30)

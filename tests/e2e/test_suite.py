@@ -39,6 +39,8 @@ def test_the_ci_profile_finds_nothing_on_single_and_pd(tmp_path):
     p, (requests, tenants, interleavings, injected, confirmed, leaks, fired) = suite(tmp_path, "--profile", "ci")
     assert p.returncode == 0 and leaks == 0 and fired == 0, p.stderr[-4000:]
     assert requests >= 400 and tenants >= 4 and interleavings >= 16, p.stderr[-2000:]
+    # session continuations on single (SGLang's sessions: turn 2 judged as history + its input)
+    assert re.search(r"suite \[single\] interleaving \d+: \d+ calls \(\d+ continue a session\)", p.stderr)
     (steps,) = re.findall(r"suite \[allocator\]: (\d+) state-machine steps", p.stderr)
     assert int(steps) >= 10_000, steps
     # every fault injected into PD fired (process state, restart, harness log, the slow client's

@@ -10,7 +10,7 @@ from glm53_serving.admission import Limits, check
 from glm53_serving.errors import ClientError
 from glm53_serving.suite import oracles
 from glm53_serving.suite.oracles import Outcome
-from glm53_serving.suite.workload import MARKER_LEN, Call, Served, from_json, marker, to_json, workloads
+from glm53_serving.suite.workload import FIRST_TURN, MARKER_LEN, Call, Served, from_json, marker, to_json, workloads
 
 TENANTS = ["suite-a", "suite-b", "suite-c"]
 SHAPE = Served(max_prompt=383, max_model_len=384, max_output=None, page=64)
@@ -29,6 +29,44 @@ def test_a_workload_marks_each_prompt_with_its_tenant_only_and_spans_the_limit(c
         assert MARKER_LEN < len(c.prompt) <= SHAPE.max_prompt + 40
         assert c.disconnect is None or c.stream
     assert from_json(to_json(calls, TENANTS)) == (calls, TENANTS)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(SHAPE, TENANTS, 4, 12, 16, sessions=True))
+def test_a_session_continuation_opens_with_a_served_turn_and_its_whole_spans_the_limit(calls):
+    for c in calls:
+        if not c.then:
+            continue
+        first = c.first_turn()
+        assert oracles.predicted(first, SHAPE) == (200, None) and not first.stream
+        assert not any(holds(c.then, marker(TENANTS, t)) for t in TENANTS if t != c.tenant)
+        whole = c.continued([7] * FIRST_TURN)
+        assert whole.prompt == (*c.prompt, *[7] * FIRST_TURN, *c.then)
+        assert (whole.max_new, whole.stream, whole.disconnect, whole.abort) == (
+            c.max_new,
+            c.stream,
+            c.disconnect,
+            c.abort,
+        )
+        assert len(c.prompt) + FIRST_TURN < len(whole.prompt) <= SHAPE.max_prompt + 40
+    assert from_json(to_json(calls, TENANTS)) == (calls, TENANTS)
+
+
+def test_session_continuations_are_drawn_only_where_asked_and_reach_over_the_limit():
+    from hypothesis import find
+    from hypothesis.errors import NoSuchExample
+
+    assert find(
+        workloads(SHAPE, TENANTS, 8, 12, 16, sessions=True),
+        lambda calls: any(c.then and len(c.continued([0] * FIRST_TURN).prompt) > SHAPE.max_prompt for c in calls),
+        settings=settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck)),
+    )
+    with pytest.raises(NoSuchExample):
+        find(
+            workloads(SHAPE, TENANTS, 8, 12, 16),
+            lambda calls: any(c.then for c in calls),
+            settings=settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck)),
+        )
 
 
 @settings(max_examples=500, deadline=None)
