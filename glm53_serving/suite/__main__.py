@@ -246,8 +246,9 @@ def _send(
         if not call.stream:
             r = httpx.post(f"{target.url}/generate", json=body, headers=headers, timeout=timeout)
             ok = r.status_code == 200
+            finish = _finish(r.json()) if ok else None
             return Outcome(
-                r.status_code, _code(r.text), r.json()["output_ids"] if ok else None, r.text, _since(t0), False
+                r.status_code, _code(r.text), r.json()["output_ids"] if ok else None, r.text, _since(t0), False, finish
             )
         # Leaving before the first token: a read timeout far shorter than a forward pass.
         read = 0.02 if call.disconnect == "before_first" else timeout
@@ -278,8 +279,7 @@ def _send(
             code = (last or {}).get("error", {}).get("code") if isinstance(last, dict) else None
             if code is None and not done:
                 code = "stream_unterminated"
-            finish = ((last or {}).get("meta_info") or {}).get("finish_reason") if isinstance(last, dict) else None
-            finish = finish.get("type") if isinstance(finish, dict) else None
+            finish = _finish(last) if isinstance(last, dict) else None
             return Outcome(200, code, (last or {}).get("output_ids"), text, _since(t0), False, finish)
     except httpx.TimeoutException:
         if call.disconnect == "before_first":
@@ -288,6 +288,11 @@ def _send(
     except httpx.TransportError as e:  # the connection broke: before an answer, or mid-stream
         code = "stream_broken" if status == 200 else "transport_error"
         return Outcome(status, code, None, "\n".join(lines) or str(e), _since(t0), False)
+
+
+def _finish(answer: dict) -> str | None:
+    reason = (answer.get("meta_info") or {}).get("finish_reason")
+    return reason.get("type") if isinstance(reason, dict) else None
 
 
 def _since(t0: float) -> float:

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 
 from glm53_serving.suite import oracles
@@ -35,9 +36,17 @@ from glm53_serving.suite.workload import Call, Served, marker
 # rid markers the test harness drops a transfer for (tests/support/kv_fault: after the transfer
 # reports success, decode's copy of the last prompt page is zeroed, as if it never arrived)
 DROP_MARKERS = {"drop_latent": "suite-drop-latent", "drop_index_k": "suite-drop-index-k"}
+# rid markers whose succeeded transfer the harness reports in flight for HOLD_S, on decode's side
+# or on prefill's (an abort lands meanwhile)
+HOLD_MARKERS = {"abort_held": "suite-hold-decode", "prefill_abort_held": "suite-hold-prefill"}
+HOLD_SIDE = {"abort_held": "decode", "prefill_abort_held": "prefill"}
+HOLD_S = 3.0
 HARNESS_ENV = {
     "GLM53_TEST_KV_DROP_LATENT": DROP_MARKERS["drop_latent"],
     "GLM53_TEST_KV_DROP_INDEX_K": DROP_MARKERS["drop_index_k"],
+    "GLM53_TEST_KV_HOLD_TRANSFER": HOLD_MARKERS["abort_held"],
+    "GLM53_TEST_KV_HOLD_PREFILL": HOLD_MARKERS["prefill_abort_held"],
+    "GLM53_TEST_KV_HOLD_S": str(HOLD_S),
 }
 HARNESS_EVENT = {"drop_latent": "dropped_latent_page", "drop_index_k": "dropped_index_k_page"}
 PAUSE_S = 4.0  # how long a paused process stays stopped
@@ -48,7 +57,7 @@ MAX_NEW = 24
 @dataclass(frozen=True, slots=True)
 class Fault:
     name: str
-    action: str  # kill | stop | drop_latent | drop_index_k | slow_client
+    action: str  # kill | stop | drop_latent | drop_index_k | slow_client | abort_held | prefill_abort_held
     process: str | None = None  # the name in ready.json of the process it hits
 
     @property
@@ -61,6 +70,10 @@ FAULTS = (
     Fault("transfer-drops-latent", "drop_latent"),
     Fault("transfer-drops-index-k", "drop_index_k"),
     Fault("slow-client", "slow_client"),
+    # sglang PR 33508: an abort pending when the transfer reports success must not come back a 200
+    Fault("abort-during-transfer", "abort_held"),
+    # sglang issue 32605: an abort that reaches prefill while decode goes on returns no other's results
+    Fault("prefill-abort-during-transfer", "prefill_abort_held"),
     Fault("decode-paused", "stop", "decode-0"),
     Fault("prefill-paused", "stop", "prefill-0"),
     Fault("router-killed", "kill", "router"),
@@ -134,6 +147,9 @@ def run(target, fault: Fault, n: int, served: Served, bound_s: float, send, kv_s
     if fault.action in DROP_MARKERS:  # the transfer of one call (not streamed, of the first tenant)
         victim = 1
         rids[victim] += DROP_MARKERS[fault.action]
+    if fault.action in HOLD_MARKERS:  # the first tenant's call that is not streamed
+        victim = 1
+        rids[victim] += HOLD_MARKERS[fault.action]
     delays = [0.0] * len(calls)
     if fault.action == "slow_client":
         victim = 0  # the first tenant's streamed call reads one line every READ_DELAY_S
@@ -168,9 +184,16 @@ def run(target, fault: Fault, n: int, served: Served, bound_s: float, send, kv_s
                     if confirmed
                     else f"{fault.process}: not stopped {stopped}, not resumed {resumed}"
                 )
+        if fault.action in HOLD_MARKERS:
+            aborted_at, evidence = _abort_while_held(target, fault, calls[victim], rids[victim], bound_s)
         outcomes = [f.result(timeout=2 * bound_s) for f in futures]
     finally:
         pool.shutdown(wait=True)
+    if fault.action in HOLD_MARKERS:  # answered while the harness still held it, and it took effect there
+        side = HOLD_SIDE[fault.action]
+        released = [e for e in target.new_events(target.fault_log) if e.get("fault") == f"{side}_transfer_released"]
+        confirmed = aborted_at is not None and any(e["t"] > aborted_at and e["status"] == "Failed" for e in released)
+        evidence += f"; harness: {released}"
     every = [*calls, *late]
     if fault.action in DROP_MARKERS:
         events = [e for e in target.new_events(target.fault_log) if DROP_MARKERS[fault.action] in str(e.get("rid"))]
@@ -182,6 +205,26 @@ def run(target, fault: Fault, n: int, served: Served, bound_s: float, send, kv_s
         evidence = f"slow client read {lines} lines in {outcomes[victim].seconds:.1f} s"
     found = judge(fault, every, outcomes, victim, served, bound_s, solo_run, target.tenants)
     return Result(fault, confirmed, evidence, found, list(zip(every, outcomes)))
+
+
+def _abort_while_held(target, fault: Fault, call: Call, rid: str, bound_s: float) -> tuple[float | None, str]:
+    """Once the harness holds the call's succeeded transfer, the operator aborts the call at the
+    worker holding it: decode (PR 33508), or prefill while decode goes on (issue 32605). Not the
+    client: sglang-router does not route /abort_request, so in PD a client's answers 404 (its way
+    to abort is to disconnect). Returns when the abort was answered (None: it was not, or nothing
+    was held)."""
+    side = HOLD_SIDE[fault.action]
+    deadline, held = time.monotonic() + bound_s, []
+    while not held and time.monotonic() < deadline:
+        held = [e for e in target.new_events(target.fault_log) if e.get("fault") == f"{side}_transfer_held"]
+        time.sleep(0.02)
+    if not held:
+        return None, f"the harness never held the transfer on {side}"
+    url = target.workers[f"{side}-0"]
+    r = httpx.post(f"{url}/abort_request", json={"rid": rid}, headers=target.admin, timeout=bound_s)
+    answered = time.time()
+    evidence = f"held on {side} at {held[0]['t']:.3f}, abort answered {r.status_code} at {answered:.3f}"
+    return (answered if r.status_code == 200 else None), evidence
 
 
 def _until_in_flight(kv_states, target, bound_s: float) -> None:
@@ -197,10 +240,12 @@ def judge(fault, calls, outcomes, victim, served, bound_s, solo_run, tenants) ->
     found = [f for f in oracles.status(calls, outcomes, served, bound_s) if "answered after" in f.detail]
     found += oracles.canary(calls, outcomes, tenants)
     for i, (c, o) in enumerate(zip(calls, outcomes)):
-        whole = o.status == 200 and o.code is None
+        whole = o.status == 200 and o.code is None and o.finish != "abort"
         alone = solo_run(c)  # after the fault: every tenant is served again
         if alone is None:
             found.append(Finding("status", i, f"after {fault.name}, the call served alone was not a 200"))
+        elif o.finish == "abort" and o.output_ids and o.output_ids != alone[: len(o.output_ids)]:
+            found.append(Finding("differential", i, f"{fault.name}: an aborted call's tokens are not its own"))
         elif whole and o.output_ids != alone:
             found.append(Finding("differential", i, f"{fault.name}: a 200 whose tokens are not the call's own alone"))
         elif o.status is not None and o.status != 200 and o.code is None:
@@ -209,6 +254,11 @@ def judge(fault, calls, outcomes, victim, served, bound_s, solo_run, tenants) ->
             found.append(Finding("status", i, f"{fault.name} failed a call: {o.status} {o.code}"))
         if i == victim and fault.action in DROP_MARKERS and whole:
             found.append(Finding("status", i, f"{fault.name}: the call whose pages never arrived got a 200"))
+        if i == victim and fault.action == "abort_held" and whole:
+            found.append(Finding("status", i, f"{fault.name}: the call aborted before its decode began got a 200"))
+        if i != victim and fault.action in HOLD_MARKERS and not whole:
+            found.append(Finding("status", i, f"{fault.name}: another call failed: {o.status} {o.code} {o.finish}"))
+
     return found
 
 

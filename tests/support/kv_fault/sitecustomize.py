@@ -31,6 +31,13 @@ Put this directory on PYTHONPATH (spawned SGLang children inherit it) and set an
   transfer of such a request reports success, finds the index-K bytes (or the latent rows) of
   the prompt's last page zero in every layer: a transfer that did not carry that page on the
   index-K channel (or the KV one) although the length it reports is right.
+- GLM53_TEST_KV_HOLD_TRANSFER=<marker>: PD decode, once the transfer of such a request reports
+  success, keeps reporting it in flight for GLM53_TEST_KV_HOLD_S seconds (default 3) and logs
+  `decode_transfer_held`, then `decode_transfer_released` with the status it then reports: the
+  window in which an abort is pending while the transfer has already succeeded (sglang PR 33508).
+- GLM53_TEST_KV_HOLD_PREFILL=<marker>: the same on PD prefill's side (the sender; the request stays
+  in prefill's in-flight queue), logged as `prefill_transfer_held` / `_released`: the window for an
+  abort that reaches prefill while decode goes on (sglang issue 32605).
 - GLM53_TEST_KV_CANARY=<file>: a KV-level canary that does not trust the guard it watches (the
   isolation suite's, glm53_serving/suite): it keeps its own record of which cache namespace last
   wrote each slot (what the forward writes: `out_cache_loc`; in PD decode, the transfer's
@@ -56,6 +63,9 @@ _POISON = os.environ.get("GLM53_TEST_KV_POISON_TAIL")
 _SHARE = os.environ.get("GLM53_TEST_KV_SHARE_PAGE")
 _DROP_INDEX_K = os.environ.get("GLM53_TEST_KV_DROP_INDEX_K")
 _DROP_LATENT = os.environ.get("GLM53_TEST_KV_DROP_LATENT")
+_HOLD = os.environ.get("GLM53_TEST_KV_HOLD_TRANSFER")
+_HOLD_PREFILL = os.environ.get("GLM53_TEST_KV_HOLD_PREFILL")
+_HOLD_S = float(os.environ.get("GLM53_TEST_KV_HOLD_S", "3"))
 _CANARY = os.environ.get("GLM53_TEST_KV_CANARY")
 _LOG = os.environ.get("GLM53_TEST_KV_LOG")
 
@@ -331,6 +341,54 @@ def _drop_page(self, decode_req, *args, **kwargs):
     return None
 
 
+def _hold(poller, rid: str, side: str) -> None:
+    """From the first poll that reports the transfer succeeded, `poller` (a decode receiver or a
+    prefill sender) reports it in flight for _HOLD_S seconds; its real poll still runs, so the
+    success is recorded exactly as without the hold, and whatever happens meanwhile (an abort)
+    is what it reports at release."""
+    import time
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if getattr(poller, "_glm53_hold", None) is not None:
+        return
+    real, hold = poller.poll, {"until": None, "released": False}
+    poller._glm53_hold = hold
+    names = {v: k for k, v in vars(KVPoll).items() if isinstance(v, int)}
+
+    def held_poll():
+        status = real()
+        if hold["until"] is None and status == KVPoll.Success:
+            hold["until"] = time.time() + _HOLD_S
+            _log(fault=f"{side}_transfer_held", rid=rid, t=time.time())
+        if hold["until"] is None or hold["released"]:
+            return status
+        if time.time() < hold["until"]:
+            return KVPoll.Transferring
+        hold["released"] = True
+        _log(fault=f"{side}_transfer_released", rid=rid, t=time.time(), status=names.get(int(status), status))
+        return status
+
+    poller.poll = held_poll
+
+
+def _hold_decode_transfers(self, *args, **kwargs):
+    """BEFORE DecodeTransferQueue.pop_transferred: hold the marked requests' receivers."""
+    for decode_req in self.queue:
+        if _HOLD in str(decode_req.req.rid):
+            _hold(decode_req.kv_receiver, str(decode_req.req.rid), "decode")
+    return None
+
+
+def _hold_prefill_transfers(self, *args, **kwargs):
+    """BEFORE the prefill scheduler's process_disagg_prefill_inflight_queue: hold the marked
+    requests' senders (the request stays in prefill's in-flight queue meanwhile)."""
+    for req in self.disagg_prefill_inflight_queue:
+        if _HOLD_PREFILL in str(req.rid) and req.disagg_kv_sender is not None:
+            _hold(req.disagg_kv_sender, str(req.rid), "prefill")
+    return None
+
+
 def _probe_publish(self, decode_req, kv_indices, page_size, *args, **kwargs):
     import torch
 
@@ -368,6 +426,8 @@ if (
     or _SHARE
     or _DROP_INDEX_K
     or _DROP_LATENT
+    or _HOLD
+    or _HOLD_PREFILL
 ):
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -392,6 +452,18 @@ if (
     if _DROP_INDEX_K or _DROP_LATENT:
         HookRegistry.register(
             "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", _drop_page, HookType.BEFORE
+        )
+    if _HOLD:
+        HookRegistry.register(
+            "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
+            _hold_decode_transfers,
+            HookType.BEFORE,
+        )
+    if _HOLD_PREFILL:
+        HookRegistry.register(
+            "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
+            _hold_prefill_transfers,
+            HookType.BEFORE,
         )
     if _CANARY:  # after the faults above on the same targets: it sees what they did
         HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_for_extend", _canary_extend, HookType.AFTER)
