@@ -17,8 +17,10 @@ share the shorter one's length. Both sides of a round get the same prompts; roun
 Per point: output tok/s, requests/s, TTFT and ITL p50/p99, each side's CPU per output token (the
 processes' own accounting: servers with their schedulers, router, gateway; the "off" side's idle
 gateway is not on its path and not counted), the on/off ratio of each per pair of rounds and the
-median of those. Writes results.json, results.md and plot.png into --out. Not a test: numbers,
-for docs/performance.md.
+median of those; for the full stack, from the same CPU readings, the gateway process's CPU per
+completed request and its share of the rest of the path's (servers with their children, router;
+the target is at most 5 %), per round and the median. Writes results.json, results.md and
+plot.png into --out. Not a test: numbers, for docs/performance.md.
 """
 
 from __future__ import annotations
@@ -88,15 +90,29 @@ def endpoint(info: dict, side: str, topology: str) -> tuple[str, str]:
     return process(info, "router" if topology == "pd" else "server")["url"], "server"
 
 
-def serving_processes(info: dict, side: str) -> list[psutil.Process]:
-    """Every process on the side's request path, with its children (schedulers, detokenizers)."""
+def serving_processes(info: dict, side: str) -> list[tuple[str, list[psutil.Process]]]:
+    """Every process on the side's request path, with its children (schedulers, detokenizers):
+    (its name in ready.json, [it, *its children]) per launcher's child."""
     out = []
     for p in info["processes"]:
         if side == "off" and p["name"] == "gateway":
             continue
         root = psutil.Process(p["pid"])
-        out += [root, *root.children(recursive=True)]
+        out.append((p["name"], [root, *root.children(recursive=True)]))
     return out
+
+
+def cpu_readings(groups: list[tuple[str, list[psutil.Process]]]) -> list[float]:
+    """CPU seconds so far of each of serving_processes()'s groups (one reading of each process)."""
+    return [cpu_seconds(procs) for _, procs in groups]
+
+
+def cpu_split(groups: list[tuple[str, list[psutil.Process]]], before: list[float], after: list[float]):
+    """CPU seconds between two cpu_readings() of the gateway (with its children: it has none) and
+    of every other group (servers with their children, router): (gateway, the others)."""
+    spent = [b - a for a, b in zip(before, after)]
+    gateway = sum(s for (name, _), s in zip(groups, spent) if name == "gateway")
+    return gateway, sum(spent) - gateway
 
 
 def dataset(a) -> list[str]:
@@ -122,10 +138,13 @@ def run_topology(tmp: Path, a, topology: str, up: dict) -> list[dict]:
         info = up[topology, side][1]
         url, as_who = endpoint(info, side, topology)
         load = SimpleNamespace(**{**vars(a), "num_prompts": prompts})
-        before = cpu_seconds(procs[side])
+        before = cpu_readings(procs[side])
         job = (url, tmp / f"{topology}-{side}-{tag}.jsonl", credential(info, as_who), seed)
         [r] = bench([job], load, concurrency, dataset(a))
-        r["cpu_us_per_token"] = 1e6 * (cpu_seconds(procs[side]) - before) / r["total_output_tokens"]
+        gateway_s, servers_s = cpu_split(procs[side], before, cpu_readings(procs[side]))
+        r["cpu_us_per_token"] = 1e6 * (gateway_s + servers_s) / r["total_output_tokens"]
+        if side == "on":  # the gateway's own cost, against the rest of the path's, from the same readings
+            r.update(report.gateway_cpu(gateway_s, servers_s, r["completed"]))
         return r
 
     for side in SIDES:  # not counted: first requests, caches, allocator

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from glm53_serving.bench.report import METRICS
+from glm53_serving.bench.report import GATEWAY, METRICS
 
 pytestmark = pytest.mark.e2e
 
@@ -44,12 +44,17 @@ def test_quick_bench_runs_both_topologies_and_sides_and_writes_its_files(tmp_pat
             assert all(v >= 0 for v in m.values()), (p["topology"], side, m)
             assert p["rounds"][side] and all(r["completed"] == p["prompts"] for r in p["rounds"][side])
         assert set(METRICS) <= set(p["ratio_median"]), p["ratio_median"]
+        # the full stack's gateway CPU per request and its share of the servers' and router's
+        gateway = p["gateway"]
+        assert all(gateway["median"][k] > 0 for k in GATEWAY), gateway
+        assert [r["completed"] for r in gateway["rounds"]] == [p["prompts"]] * len(p["rounds"]["on"]), gateway
     assert results["meta"]["command"].startswith("python -m glm53_serving.bench --quick")
 
     table = (out / "results.md").read_text()
     for topology in ("single", "pd"):
         for side in ("full stack", "upstream", "on/off"):
             assert f"| {topology} | 1 | {side} |" in table and f"| {topology} | 4 | {side} |" in table, table
+    assert "| topology | conc. | gateway CPU/request (µs) |" in table, table
 
     png = (out / "plot.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000, len(png)
