@@ -46,7 +46,8 @@ def test_quick_bench_runs_both_topologies_and_sides_and_writes_its_files(tmp_pat
         assert set(METRICS) <= set(p["ratio_median"]), p["ratio_median"]
         # the full stack's gateway CPU per request and its share of the servers' and router's
         gateway = p["gateway"]
-        assert all(gateway["median"][k] > 0 for k in GATEWAY), gateway
+        # CI checks that it ran, not its numbers: a quick run's gateway may spend under one 10 ms clock tick
+        assert all(gateway["median"][k] >= 0 for k in GATEWAY), gateway
         assert [r["completed"] for r in gateway["rounds"]] == [p["prompts"]] * len(p["rounds"]["on"]), gateway
     assert results["meta"]["command"].startswith("python -m glm53_serving.bench --quick")
 
