@@ -122,11 +122,27 @@ def main(argv=None) -> None:
         kv_owner.reset_after_free(None, alloc, got)
 
 
+def interleaved(fns: dict, repeat: int, inner: int) -> dict:
+    """Seconds per call of each function, best of `repeat` rounds of `inner` calls, the
+    functions taking turns within each round (a machine whose load drifts shifts them alike)."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / inner)
+    return best
+
+
 def dsa_pages(a, dtype) -> None:
     """Zeroing whole 64-token pages of SGLang's DSATokenToKVPool with GLM-5.3's row sizes (MLA
     latent 512 + rope 64 per token per layer; index-K 128 fp8 bytes + a 4-byte scale per token)
-    against torch.zero_ of the same bytes, page by page (kv_zero._zero_pages: adjacent pages as one
-    run) and slot by slot (the indexed fill used for partly covered pages)."""
+    against torch.zero_ of the same bytes, page by page (kv_zero._zero_pages) and slot by slot
+    (the indexed fill used for partly covered pages). Two baselines: torch.zero_ of one
+    contiguous buffer of the same byte count ("memset"), and torch.zero_ of exactly the zeroed
+    bytes in the pool's own per-layer buffers, one call per buffer and run of adjacent pages
+    ("in place": what separate per-layer allocations allow a plain memset)."""
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
     page = 64
@@ -147,6 +163,8 @@ def dsa_pages(a, dtype) -> None:
     index = [b for b in pool.index_key_cache.buffer if b.shape[0]]
     for b in (*latent, *index):
         b.fill_(1)  # touched: no page faults in the timings
+    latent_rows = [kv_zero._as_words(r.view(r.shape[0] // page, -1)) for r in latent]
+    index_rows = [kv_zero._as_words(b) for b in index]
     n_pages = a.alloc // page
     latent_bytes = sum(r[0].numel() * r.element_size() for r in latent) * n_pages * page
     index_bytes = sum(b[0].numel() for b in index) * n_pages
@@ -155,11 +173,15 @@ def dsa_pages(a, dtype) -> None:
         f"latent {latent_bytes / 2**20:.1f} MiB + index-K {index_bytes / 2**20:.2f} MiB; torch threads "
         f"{torch.get_num_threads()}"
     )
-    flat = torch.zeros(latent_bytes + index_bytes, dtype=torch.uint8)
+    flat = torch.ones(latent_bytes + index_bytes, dtype=torch.uint8)
 
-    def memset(nbytes):
-        part = flat[:nbytes]
-        return best_of(part.zero_, 5, 5)
+    def in_place(targets, runs):
+        def run():
+            for t in targets:
+                for start, stop in runs:
+                    t.narrow(0, start, stop - start).zero_()
+
+        return run
 
     total_pages = a.slots // page
     cases = {
@@ -169,28 +191,36 @@ def dsa_pages(a, dtype) -> None:
     for label, pages in cases.items():
         slots = (pages[:, None] * page + torch.arange(page)).flatten()
         runs = kv_zero._page_runs(pages)
-        t_all = best_of(lambda: kv_zero.zero_slots(pool, slots), 5, 5)
-
-        def latent_only(pages=pages, runs=runs):
-            for rows in latent:
-                kv_zero._zero_rows(rows.view(rows.shape[0] // page, -1), pages, runs)
-
-        def index_only(pages=pages, runs=runs):
-            few = runs if runs is not None and len(runs) <= kv_zero.MAX_INDEX_RUNS else None
-            for b in index:
-                kv_zero._zero_rows(kv_zero._as_words(b), pages, few)
 
         def slot_by_slot(slots=slots):
             for rows in latent:
                 rows.index_fill_(0, slots, 0)
             kv_zero._zero_indexer(pool, slots)
 
-        t_lat, t_idx, t_slot = (best_of(f, 5, 5) for f in (latent_only, index_only, slot_by_slot))
-        m_all, m_lat, m_idx = memset(latent_bytes + index_bytes), memset(latent_bytes), memset(index_bytes)
+        t = interleaved(
+            {
+                "all": lambda slots=slots: kv_zero.zero_slots(pool, slots),
+                "lat": lambda pages=pages: kv_zero._zero_page_rows(latent_rows, pages),
+                "idx": lambda pages=pages: kv_zero._zero_page_rows(index_rows, pages),
+                "slot": slot_by_slot,
+                "m_all": flat.zero_,
+                "m_lat": flat[:latent_bytes].zero_,
+                "m_idx": flat[:index_bytes].zero_,
+                "p_all": in_place(latent_rows + index_rows, runs),
+                "p_lat": in_place(latent_rows, runs),
+                "p_idx": in_place(index_rows, runs),
+            },
+            15,
+            3,
+        )
         print(
-            f"{label}: zero_slots {m_all / t_all:.2f}x of memset ({(latent_bytes + index_bytes) / t_all / 1e9:.2f} "
-            f"GB/s); latent pages {m_lat / t_lat:.2f}x, index-K pages {m_idx / t_idx:.2f}x; slot by slot "
-            f"{m_all / t_slot:.2f}x (page zeroing {t_slot / t_all:.1f}x faster)"
+            f"{label} ({len(runs)} runs): zero_slots {t['m_all'] / t['all']:.2f}x of memset "
+            f"({(latent_bytes + index_bytes) / t['all'] / 1e9:.2f} GB/s); latent pages {t['m_lat'] / t['lat']:.2f}x, "
+            f"index-K pages {t['m_idx'] / t['idx']:.2f}x; vs zero_ in place: zero_slots {t['p_all'] / t['all']:.2f}x, "
+            f"latent {t['p_lat'] / t['lat']:.2f}x, index-K {t['p_idx'] / t['idx']:.2f}x (in place vs memset "
+            f"{t['m_all'] / t['p_all']:.2f}x, latent {t['m_lat'] / t['p_lat']:.2f}x, index-K "
+            f"{t['m_idx'] / t['p_idx']:.2f}x); slot by slot {t['m_all'] / t['slot']:.2f}x (page zeroing "
+            f"{t['slot'] / t['all']:.1f}x faster)"
         )
 
 

@@ -211,6 +211,23 @@ def test_dsa_pages_covered_whole_are_zeroed_as_pages_and_partial_pages_slot_by_s
         assert t.numel() - torch.count_nonzero(t) == t[idx].numel()  # nothing else was touched
 
 
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["runs-as-slices", "indexed-fill"])
+def test_dsa_whole_pages_lose_every_byte_latent_keys_and_scales_by_either_fill(monkeypatch, min_run_bytes):
+    """Pages 1, 2 and 4 (runs [1, 3) and [4, 5)), zeroed both ways _zero_page_rows can (runs as
+    slices, all in one _foreach_zero_; one indexed fill of the page rows as 16-byte words):
+    every byte of the three pages goes, in the latent and in the index-K keys and scales (the
+    scales are the tail of each indexer page row), and nothing else."""
+    monkeypatch.setattr(kv_zero, "MIN_RUN_BYTES", min_run_bytes)
+    pool, _ = make(DSA_PAGE, dsa=True)
+    for t, _ in slot_views(pool, torch.arange(0)):
+        t.fill_(1)
+    slots = torch.cat([torch.arange(64, 192), torch.arange(256, 320)])
+    kv_zero.zero_slots(pool, slots)
+    for t, idx in slot_views(pool, slots):
+        assert torch.count_nonzero(t[idx]) == 0
+        assert t.numel() - torch.count_nonzero(t) == t[idx].numel()  # nothing else was touched
+
+
 def test_a_page_an_allocation_opens_is_zeroed_whole_its_unwritten_tail_too():
     """A prompt of 130 tokens opens pages 1, 2 and 3 and gets 2 slots of page 3 (its other 62
     are the request's later decode steps'): page 3 is zeroed whole, latent and index-K, so
