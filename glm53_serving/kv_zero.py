@@ -305,7 +305,8 @@ def _as_words(buf: torch.Tensor, lead: int = 0) -> torch.Tensor:
         return buf
     rows = buf.view(*buf.shape[: lead + 1], -1)
     row_bytes = rows.shape[-1] * rows.element_size()
-    if row_bytes % 16 == 0:
+    # 16-byte words only where measured: a complex fill on a GPU is not (no device here).
+    if row_bytes % 16 == 0 and buf.device.type == "cpu":
         return rows.view(torch.complex128)
     if row_bytes % 8 == 0:
         return rows.view(torch.int64)
