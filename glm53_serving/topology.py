@@ -247,6 +247,12 @@ ROUTER_DEAD_WORKER_S = 6.0
 # SGLang's defaults, set explicitly: a PD decode checks each prefill's bootstrap server every 5 s
 # and drops it (its cached endpoints, and the requests waiting on it) after 2 misses.
 PD_HEARTBEAT = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "5", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
+# A server keeps an idle connection open longer than its clients' pools keep it (sglang-router
+# pools for 50 s; SGLang's own default closes after 5 s): otherwise a client sends on a connection
+# the server is just closing. The isolation suite's thorough run met it: 4 of 43 calls' prefill
+# halves failed with "error sending request" after an idle gap, and their decode halves waited
+# out the 300 s bootstrap timeout (sglang issue 20851; smg PR 2162 fixes it router-side later).
+SERVER_KEEP_ALIVE = {"SGLANG_TIMEOUT_KEEP_ALIVE": "120"}
 
 
 @dataclass(slots=True)
@@ -600,6 +606,7 @@ class Topology:
             out[env.DEPLOYMENT_LIMITS.name] = limits.to_env()
         if self.admission.clip_output:
             out[env.CLIP_OUTPUT.name] = "1"
+        out.update(SERVER_KEEP_ALIVE)
         if self.topology == "pd":  # explicit, so the launcher knows when decodes drop a dead prefill
             out.update(PD_HEARTBEAT)
         if self.device == "cpu":

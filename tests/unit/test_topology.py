@@ -30,6 +30,8 @@ def test_every_shipped_topology_loads(path):
         assert topo.process_env()["SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"] == "5"
         assert topo.prefill_restart_delay_s() == 18.0
     assert topo.restart_limit == 3
+    # servers outlast the router's and the gateway's pooled idle connections (50 s; 5 s)
+    assert int(topo.process_env()["SGLANG_TIMEOUT_KEEP_ALIVE"]) > 50
 
 
 def test_cpu_default_derives_cpu_only_settings():
