@@ -9,11 +9,13 @@ step and change the top-k selection, so a request served in a batch of 62 differ
 run at token 35 (docs/suite.md). That is numerics, not a leak, but an oracle that tolerates it
 would tolerate a leak that looks like it; so the suite's servers compute deterministically instead.
 
-`GLM53_BATCH_INVARIANT=1` (CPU processes only) replaces the CPU kernels of aten::mm, addmm and bmm:
-rows go through MKL in blocks of exactly ROWS rows (the last one zero-padded), copied to a fresh
-buffer, so every row meets the same call whatever the batch; SDPA takes its math path, which is
-built on bmm. Everything else on the model's path is elementwise or reduces along a row, which
-torch's CPU kernels never split across threads. `enable()` checks on this machine that rows come
+`GLM53_BATCH_INVARIANT=1` (CPU processes only) replaces the CPU kernels of aten::mm, addmm and bmm
+(and their out= forms): rows go through MKL in blocks of exactly ROWS rows (the last one
+zero-padded), copied to a fresh buffer, so every row meets the same call whatever the batch; SDPA
+takes its math path, which is built on bmm. The DSA attention (cpu_dsa.py) then gives every
+request the same number of key slots, so that a token's KV is the same bits whether a decode step
+or a prefill computed it (a retracted request is prefilled again). Everything else on the model's
+path is elementwise or reduces along a row, which torch's CPU kernels never split across threads. `enable()` checks on this machine that rows come
 out bit-identical alone and in batches of every shape it tries; a server where they do not
 refuses to start (plugin.problems). It costs the suite about 3x the matmul time; it is never for
 serving tenants (the launcher does not set it; the suite does).
@@ -31,15 +33,16 @@ _lib: torch.library.Library | None = None
 
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     m, k = a.shape
-    block = a.new_empty((ROWS, k))
-    res = out.new_empty((ROWS, b.shape[1]))
+    block = a.new_empty((1, ROWS, k))
+    res = out.new_empty((1, ROWS, b.shape[1]))
     for i in range(0, m, ROWS):
         n = min(ROWS, m - i)
-        block[:n] = a[i : i + n]
+        block[0, :n] = a[i : i + n]
         if n < ROWS:
-            block[n:] = 0
-        torch.mm(block, b, out=res)  # aten::mm.out: the original kernel, not the override
-        out[i : i + n] = res[:n]
+            block[0, n:] = 0
+        # baddbmm.out (beta 0: `res` is only written) is not among the kernels replaced below
+        torch.baddbmm(res, block, b[None], beta=0, out=res)
+        out[i : i + n] = res[0, :n]
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -64,6 +67,22 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The out= forms (SGLang's MLA writes its w_vc product with torch.bmm(..., out=)).
+def mm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(mm(a, b))
+
+
+def addmm_out(bias, a, b, *, beta=1, alpha=1, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(addmm(bias, a, b, beta=beta, alpha=alpha))
+
+
+def bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(bmm(a, b))
+
+
+KERNELS = {"mm": mm, "mm.out": mm_out, "addmm": addmm, "addmm.out": addmm_out, "bmm": bmm, "bmm.out": bmm_out}
+
+
 def enable(cpu: bool) -> list[str]:
     """Install the kernels in this process and check them; returns what keeps it from holding."""
     global _lib
@@ -71,7 +90,7 @@ def enable(cpu: bool) -> list[str]:
         return ["GLM53_BATCH_INVARIANT=1 is for CPU servers; on a GPU use SGLang's --enable-deterministic-inference"]
     if _lib is None:
         lib = torch.library.Library("aten", "IMPL")
-        for name, fn in (("mm", mm), ("addmm", addmm), ("bmm", bmm)):
+        for name, fn in KERNELS.items():
             lib.impl(name, fn, "CPU")
         _lib = lib  # kept: the registrations last as long as the Library object
     # SDPA's flash kernel blocks its queries by their count; the math path is matmul + softmax.
@@ -100,11 +119,13 @@ def violations(seed: int = 0) -> list[str]:
         "matmul 3d": lambda r: torch.matmul(q[:, r], kv.transpose(1, 2)),
         "einsum": lambda r: torch.einsum("htd,hsd->ths", q[:, r], kv),
         "sdpa": lambda r: F.scaled_dot_product_attention(q[:, r], kv, kv, attn_mask=mask[r]),
+        "mm out=": lambda r: torch.mm(x[r], w.t(), out=x.new_empty((len(x[r]), 96))),
+        "bmm out=": lambda r: torch.bmm(q[:, r], kv.transpose(1, 2), out=q.new_empty((4, len(x[r]), 50))),
     }
     found = []
     for name, op in ops.items():
         whole = op(slice(None))
-        take = (lambda t, i: t[:, i]) if name in ("matmul 3d", "sdpa") else (lambda t, i: t[i])
+        take = (lambda t, i: t[:, i]) if name in ("matmul 3d", "sdpa", "bmm out=") else (lambda t, i: t[i])
         for rows in ([0], [7], [ROWS - 1, ROWS], list(range(3, ROWS + 9)), [2 * ROWS + 4, 1, 5]):
             part = op(torch.tensor(rows))
             if not torch.equal(part, take(whole, torch.tensor(rows))):

@@ -16,6 +16,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from glm53_serving import batch_invariant
+
 FP8_MAX = 448.0  # float8_e4m3fn
 INDEX_SCALE_BYTES = 4  # one fp32 scale per token (index_head_dim == quant_block_size == 128)
 
@@ -197,17 +199,31 @@ def indexer_forward_cpu(self, x, q_lora, positions, forward_batch, layer_id, ret
     else:
         q_lens = forward_batch.extend_seq_lens_cpu
     out = torch.full((n_tok, self.index_topk), -1, dtype=torch.int32, device=x.device)
+    width = _key_width(req_to_token)
     start = 0
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
         end = start + q_len
         locs = req_to_token[forward_batch.req_pool_indices[i], :seq_len].long()
-        keys = read_index_k(buf, locs, self.head_dim, page)  # [S, D]
+        keys = _pad_rows(read_index_k(buf, locs, self.head_dim, page), width)  # [S or width, D]
         s = F.relu(torch.einsum("thd,sd->ths", q[start:end], keys) * self.softmax_scale)
         scores = torch.einsum("th,ths->ts", weights[start:end], s)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=x.device)
         out[start:end] = _select(scores, q_pos, self.index_topk)
         start = end
     return out
+
+
+def _key_width(req_to_token: torch.Tensor) -> int | None:
+    """With batch invariance on, every request attends over the same number of key slots, its
+    real ones then zeros (masked): a row reduced over seq_len elements rounds differently from
+    one over more, so a token's KV computed at a decode step (seq_len keys) would differ in its
+    last bits from the same token recomputed in a prefill (a retracted request, a session's
+    next turn). The width is the server's longest request row, the same for every forward."""
+    return req_to_token.shape[1] if batch_invariant.active() else None
+
+
+def _pad_rows(t: torch.Tensor, width: int | None) -> torch.Tensor:
+    return t if width is None else F.pad(t, (0, 0, 0, width - t.shape[0]))
 
 
 # --- sparse MLA in the torch_native backend --------------------------------------------------
@@ -227,17 +243,19 @@ def _sparse_mla(backend, q, k, v, layer, forward_batch, save_kv_cache, topk_indi
     req_to_token = backend.req_to_token_pool.req_to_token
     seq_lens = forward_batch.seq_lens_cpu.tolist()
     q_lens = [1] * len(seq_lens) if decode else forward_batch.extend_seq_lens_cpu
+    width = _key_width(req_to_token)
     start = 0
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
         end = start + q_len
         locs = req_to_token[forward_batch.req_pool_indices[i], :seq_len].long()
-        keys = kv[locs, 0].to(q_.dtype)  # [S, D]
+        keys = _pad_rows(kv[locs, 0].to(q_.dtype), width)  # [S, D]; S = seq_len, or width
         values = keys[:, : layer.v_head_dim]
+        n = keys.shape[0]
         idx = topk_indices[start:end].long()
-        allowed = torch.zeros((q_len, seq_len + 1), dtype=torch.bool, device=q.device)
-        allowed.scatter_(1, torch.where(idx < 0, seq_len, idx), True)  # -1 lands in a spare column
+        allowed = torch.zeros((q_len, n + 1), dtype=torch.bool, device=q.device)
+        allowed.scatter_(1, torch.where(idx < 0, n, idx), True)  # -1 lands in a spare column
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = allowed[:, :seq_len] & (torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None])
+        mask = allowed[:, :n] & (torch.arange(n, device=q.device)[None, :] <= q_pos[:, None])
         out = F.scaled_dot_product_attention(
             q_[start:end].transpose(0, 1),  # [H, T, D]
             keys[None].expand(heads, -1, -1),
