@@ -15,9 +15,9 @@ zero-padded), copied to a fresh buffer, so every row meets the same call whateve
 takes its math path, which is built on bmm. The DSA attention (cpu_dsa.py) then gives every
 request the same number of key slots, so that a token's KV is the same bits whether a decode step
 or a prefill computed it (a retracted request is prefilled again). Everything else on the model's
-path is elementwise or reduces along a row, which torch's CPU kernels never split across threads. `enable()` checks on this machine that rows come
-out bit-identical alone and in batches of every shape it tries; a server where they do not
-refuses to start (plugin.problems). It costs the suite about 3x the matmul time; it is never for
+path is elementwise or reduces along a row, which torch's CPU kernels never split across threads.
+`enable()` checks on this machine that rows come out bit-identical alone and in batches of every
+shape it tries; a server where they do not refuses to start (plugin.problems). It costs the suite about 3x the matmul time; it is never for
 serving tenants (the launcher does not set it; the suite does).
 """
 

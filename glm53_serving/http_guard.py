@@ -54,7 +54,7 @@ class HardRejectMiddleware:
 
 
 # FINISH_ABORT.err_type values our scheduler-side guards set -> contract code (errors.py)
-_KV_ABORTS = {
+_SCHEDULER_ABORTS = {
     "kv_isolation_violation": "kv_isolation_violation",
     "kv_handoff_mismatch": "kv_handoff_mismatch",
     # a session turn longer than the deployment serves (admission.session_turn_hook)
@@ -71,7 +71,7 @@ def contract_abort_hook(self, out, state, is_stream, *args, **kwargs):
     reason = (out.get("meta_info") or {}).get("finish_reason") or {}
     if reason.get("type") != "abort":
         return None
-    code, message = _KV_ABORTS.get(reason.get("err_type")), reason.get("message")
+    code, message = _SCHEDULER_ABORTS.get(reason.get("err_type")), reason.get("message")
     if code is None and reason.get("status_code") == 500:
         # PD decode: prefill failed the transfer for a KV guard's reason (kv_owner._tell_decode),
         # and upstream's abort wraps that reason in its own message.

@@ -67,13 +67,6 @@ def _privileged() -> bool:
     return rejection.current_path() in ("/health", "/health_generate")
 
 
-def _session_turn(obj) -> bool:
-    if getattr(obj, "session_id", None) is not None:
-        return True
-    sp = getattr(obj, "session_params", None)
-    return isinstance(sp, dict) and sp.get("id") is not None
-
-
 def validate_request_hook(self, obj, input_ids, *args, **kwargs):
     """BEFORE TokenizerManager._validate_one_request: runs after tokenization, before the
     request is sent to the scheduler."""
@@ -110,7 +103,7 @@ def validate_request_hook(self, obj, input_ids, *args, **kwargs):
         raise
     # A session turn without max_new_tokens gets its budget in the scheduler, which knows the
     # session's history (admission.session_turn_hook); here only the new input is known.
-    if requested is None and _session_turn(obj):
+    if requested is None and tenant_guard.session_of(obj) is not None:
         params["max_new_tokens"] = None  # explicitly: SGLang's default would be 128
     elif allowed != requested:
         params["max_new_tokens"] = allowed

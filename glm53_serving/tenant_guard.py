@@ -374,6 +374,14 @@ def _session_not_found(session_id) -> ClientError:
     return ClientError("not_found", f"No session {session_id!r}.", param="session_id")
 
 
+def session_of(obj) -> str | None:
+    """The session a generation request continues: `session_id`, or `session_params["id"]`."""
+    session = getattr(obj, "session_id", None)
+    if session is None and isinstance(getattr(obj, "session_params", None), dict):
+        session = obj.session_params.get("id")
+    return session
+
+
 def namespace_request(obj) -> None:
     """In intake, for every generation request: impose the tenant's namespace, check its session.
     With tenants off, one namespace for everyone: the client's cache_salt never picks a KV owner."""
@@ -384,9 +392,7 @@ def namespace_request(obj) -> None:
     p = current()
     tenant = p.tenant if p is not None else INTERNAL
     obj.cache_salt = tenants.cache_salt(_key, tenant)
-    session = getattr(obj, "session_id", None)
-    if session is None and isinstance(getattr(obj, "session_params", None), dict):
-        session = obj.session_params.get("id")
+    session = session_of(obj)
     if session is not None and not (p is not None and (p.is_admin or SESSIONS.owner(session) == tenant)):
         raise _session_not_found(session)
     if getattr(obj, "rid", None) is not None and isinstance(obj.rid, str):

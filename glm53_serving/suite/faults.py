@@ -144,12 +144,10 @@ def run(target, fault: Fault, n: int, served: Served, bound_s: float, send, kv_s
     calls = calls_for(target.tenants, n, "first")
     rids = [f"suite-fault-{n}-{i}." for i in range(len(calls))]
     victim = None
-    if fault.action in DROP_MARKERS:  # the transfer of one call (not streamed, of the first tenant)
+    rid_marker = {**DROP_MARKERS, **HOLD_MARKERS}.get(fault.action)
+    if rid_marker is not None:  # the transfer of one call (not streamed, of the first tenant)
         victim = 1
-        rids[victim] += DROP_MARKERS[fault.action]
-    if fault.action in HOLD_MARKERS:  # the first tenant's call that is not streamed
-        victim = 1
-        rids[victim] += HOLD_MARKERS[fault.action]
+        rids[victim] += rid_marker
     delays = [0.0] * len(calls)
     if fault.action == "slow_client":
         victim = 0  # the first tenant's streamed call reads one line every READ_DELAY_S
@@ -244,7 +242,7 @@ def judge(fault, calls, outcomes, victim, served, bound_s, solo_run, tenants) ->
         alone = solo_run(c)  # after the fault: every tenant is served again
         if alone is None:
             found.append(Finding("status", i, f"after {fault.name}, the call served alone was not a 200"))
-        elif o.finish == "abort" and o.output_ids and o.output_ids != alone[: len(o.output_ids)]:
+        elif o.finish == "abort" and not oracles.own_prefix(o, alone):
             found.append(Finding("differential", i, f"{fault.name}: an aborted call's tokens are not its own"))
         elif whole and o.output_ids != alone:
             found.append(Finding("differential", i, f"{fault.name}: a 200 whose tokens are not the call's own alone"))
@@ -258,7 +256,6 @@ def judge(fault, calls, outcomes, victim, served, bound_s, solo_run, tenants) ->
             found.append(Finding("status", i, f"{fault.name}: the call aborted before its decode began got a 200"))
         if i != victim and fault.action in HOLD_MARKERS and not whole:
             found.append(Finding("status", i, f"{fault.name}: another call failed: {o.status} {o.code} {o.finish}"))
-
     return found
 
 

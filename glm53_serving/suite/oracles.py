@@ -66,6 +66,11 @@ def status(calls: list[Call], outcomes: list[Outcome], served: Served, bound_s: 
     return found
 
 
+def own_prefix(o: Outcome, alone: list[int] | None) -> bool:
+    """An aborted answer's tokens so far are the start of the call's own (solo) tokens."""
+    return alone is None or o.output_ids is None or o.output_ids == alone[: len(o.output_ids)]
+
+
 def differential(calls: list[Call], outcomes: list[Outcome], solo: dict, served: Served) -> list[Finding]:
     """Every whole 200 equals the same call served alone (greedy, ignore_eos)."""
     found = []
@@ -74,7 +79,7 @@ def differential(calls: list[Call], outcomes: list[Outcome], solo: dict, served:
             continue
         alone = solo.get(c.solo_key)
         if c.abort and o.finish == "abort":  # what it got before the abort: its own tokens so far
-            if alone is not None and o.output_ids is not None and o.output_ids != alone[: len(o.output_ids)]:
+            if not own_prefix(o, alone):
                 found.append(Finding("differential", i, "an aborted call's tokens so far are not its own"))
             continue
         if o.output_ids is None or len(o.output_ids) != expected_tokens(c, served):
