@@ -82,7 +82,7 @@ class AuditLog:
                     "endpoint": endpoint,
                     "status": response.status_code,
                     "code": _code(body),
-                    "latency_ms": round(took_s * 1000, 1),
+                    "latency_ms": round(took_s * 1000, 3),  # a refusal can take under 50 µs
                     **{f"{kind}_tokens": n for kind, n in (used or {}).items()},
                 }
             )

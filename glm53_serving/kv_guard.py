@@ -62,6 +62,8 @@ def report_state(result, self, *args, **kwargs):
         "running_requests": len(running.reqs) if running is not None else 0,
         "queued_requests": sum(len(q) for q in waiting),
         "deferred_releases": len(getattr(transfer, "_deferred_releases", None) or ()),
+        # SGLang's own measure, which its cache flush waits for: also a chunked prefill, a last batch
+        "idle": bool(self.is_fully_idle()),
     }
     return result
 

@@ -172,7 +172,10 @@ def idle_states(target: Target, bound_s: float) -> dict[str, dict]:
     while True:
         states = kv_states(target)
         now = time.monotonic()
-        if all(not (s["running_requests"] or s["queued_requests"] or s["deferred_releases"]) for s in states.values()):
+        if all(
+            s.get("idle", True) and not (s["running_requests"] or s["queued_requests"] or s["deferred_releases"])
+            for s in states.values()
+        ):
             if all(s["pages"] - s["free_pages"] == s["evictable_pages"] for s in states.values()):
                 if settle is not None:
                     print(
@@ -188,9 +191,22 @@ def idle_states(target: Target, bound_s: float) -> dict[str, dict]:
         time.sleep(0.5)
 
 
-def flush(target: Target) -> None:
-    for url in target.workers.values():
-        httpx.post(f"{url}/flush_cache", headers=target.admin, timeout=60)
+def flush(target: Target, bound_s: float) -> list[Finding]:
+    """Each worker's prefix cache flushed, by SGLang's deferred flush: it waits up to `bound_s`
+    for the scheduler to be idle by SGLang's own measure (is_fully_idle: a chunked prefill, a
+    last batch, the PD queues). The router's health check (/health, every 2 s) runs a one-token
+    generation on an idle worker, and a plain flush landing in the loop iteration after it is
+    refused: unchecked, that read as pages leaked (CI of 2026-12-07: 4 pages still cached on
+    prefill after decode-killed). A worker that refuses the deferred flush held something past
+    the bound: a drain finding."""
+    found = []
+    for name, url in target.workers.items():
+        r = httpx.post(f"{url}/flush_cache", params={"timeout": bound_s}, headers=target.admin, timeout=bound_s + 30)
+        if r.status_code != 200:
+            found.append(
+                Finding("drain", None, f"{name} refused a cache flush for {bound_s:.0f} s: {r.text.strip()[:200]}")
+            )
+    return found
 
 
 # --- one call, one interleaving ----------------------------------------------------------------
@@ -450,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 explore(target, profile, shape, tally, a.out, a.reintroduce_incident)
             if not tally.findings:
-                flush(target)
+                tally.findings += flush(target, profile.bound_s)
                 tally.findings += oracles.drain({}, idle_states(target, profile.bound_s))
             confirm_faults(target, tally)
             if topology == "pd" and a.faults and not (a.replay or a.reintroduce_incident):
@@ -504,8 +520,8 @@ def inject_faults(target: Target, shape: Served, profile: Profile, tally: Tally,
         tally.faults_injected += 1
         tally.faults_confirmed += r.confirmed
         before = idle_states(target, profile.bound_s)
-        flush(target)
-        found = [*r.findings, *oracles.drain(before, idle_states(target, profile.bound_s))]
+        refused = flush(target, profile.bound_s)
+        found = [*r.findings, *refused, *oracles.drain(before, idle_states(target, profile.bound_s))]
         tally.findings += [dataclasses.replace(f, detail=f"[{fault.name}] {f.detail}") for f in found]
         faults.report(r)
 

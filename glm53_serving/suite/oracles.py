@@ -145,6 +145,8 @@ def drain(before: dict[str, dict], after: dict[str, dict]) -> list[Finding]:
                     f"{s.get('deferred_releases', 0)} awaiting a deferred KV release",
                 )
             )
+        elif not s.get("idle", True):
+            found.append(Finding("drain", None, f"{worker} holds no request but SGLang does not count it idle"))
         if used != s["evictable_pages"]:
             found.append(
                 Finding("drain", None, f"{worker}: {used} pages in use, {s['evictable_pages']} of them cached")

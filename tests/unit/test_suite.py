@@ -138,8 +138,9 @@ def test_the_status_oracle_fires_on_a_wrong_status_or_code_or_a_wait_past_the_bo
     assert "got 200 kv_isolation_violation" in f.detail
 
 
-def state(pages=32, free=32, evictable=0, owned=0, running=0, queued=0, deferred=0):
+def state(pages=32, free=32, evictable=0, owned=0, running=0, queued=0, deferred=0, idle=True):
     return {
+        "idle": idle,
         "deferred_releases": deferred,
         "pages": pages,
         "free_pages": free,
@@ -157,6 +158,7 @@ def state(pages=32, free=32, evictable=0, owned=0, running=0, queued=0, deferred
         (state(free=30, evictable=2, owned=2), state(), False),  # two cached pages, then flushed
         (state(free=30, evictable=2, owned=None), state(owned=None), False),  # owner part off: tags unknown
         (state(running=1), state(), True),  # a request still held
+        (state(idle=False), state(), True),  # no request listed, but SGLang's scheduler is not idle
         (state(free=30, owned=2, deferred=1), state(), True),  # a failed transfer's pages, not yet released
         (state(free=29, evictable=2, owned=3), state(), True),  # a page in use that no cache holds
         (state(free=30, evictable=2, owned=3), state(), True),  # a tag on a free page
@@ -166,3 +168,41 @@ def state(pages=32, free=32, evictable=0, owned=0, running=0, queued=0, deferred
 )
 def test_the_drain_oracle(before, after, fires):
     assert bool(oracles.drain({"w": before}, {"w": after})) == fires
+
+
+def test_a_worker_that_refuses_the_deferred_cache_flush_is_a_drain_finding():
+    """The drain oracle's flush waits for SGLang's idle state (`?timeout=`); a worker that answers
+    400 held something past the bound, and that is said, not read as pages leaked."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from glm53_serving.suite.__main__ import Target, flush
+
+    asked = []
+
+    class Worker(BaseHTTPRequestHandler):
+        def do_POST(self):
+            asked.append((self.server.server_port, self.path))
+            busy = self.server.server_port == busy_port
+            body = b"Timed out waiting for idle state." if busy else b"Cache flushed.\n"
+            self.send_response(400 if busy else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Worker) for _ in range(2)]
+    busy_port = servers[1].server_port
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        workers = {"decode-0": servers[0], "prefill-0": servers[1]}
+        target = Target("pd", "", {}, {n: f"http://127.0.0.1:{s.server_port}" for n, s in workers.items()}, None)
+        (f,) = flush(target, 7.0)
+    finally:
+        for s in servers:
+            s.shutdown()
+    assert f.oracle == "drain" and f.detail.startswith("prefill-0 refused a cache flush for 7 s: Timed out")
+    assert sorted(p for _, p in asked) == ["/flush_cache?timeout=7.0"] * 2
