@@ -174,3 +174,29 @@ class SlowStream(threading.Thread):
         assert self.status == 200 and self.text and "[DONE]" in self.text and '"error"' not in self.text, self.text
         last = json.loads([x for x in self.text.splitlines() if x.startswith("data: {")][-1][6:])
         assert last["meta_info"]["completion_tokens"] == self.max_new
+
+
+def run_whole(argv: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output, text) for a command that starts deployments (the bench, the
+    suite): in a process group of its own, and on timeout the whole group gets SIGTERM (each
+    launcher in it then stops its servers) before TimeoutExpired, then SIGKILL. subprocess.run
+    kills only the command, and its launchers' servers ran on into the next tests."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=120)  # the launchers' orderly stop
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

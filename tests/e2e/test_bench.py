@@ -3,7 +3,6 @@ writes its three files. It checks that the benchmark ran and wrote them, not its
 shared cores those swing by more than what they measure)."""
 
 import json
-import subprocess
 import sys
 import time
 
@@ -11,6 +10,7 @@ import psutil
 import pytest
 
 from glm53_serving.bench.report import GATEWAY, METRICS
+from tests.e2e.launcher import run_whole
 
 pytestmark = pytest.mark.e2e
 
@@ -20,12 +20,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_quick_bench_runs_both_topologies_and_sides_and_writes_its_files(tmp_path):
     out = tmp_path / "results"
     t0 = time.monotonic()
-    run = subprocess.run(
-        [sys.executable, "-m", "glm53_serving.bench", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    run = run_whole([sys.executable, "-m", "glm53_serving.bench", "--quick", "--out", str(out)], timeout=540)
     took = time.monotonic() - t0
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     print(f"bench --quick took {took:.0f} s")

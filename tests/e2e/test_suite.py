@@ -3,15 +3,14 @@ suite through the launcher), and proof that it bites: with the incident reintrod
 off and a stale-row read of another tenant's KV) it reports leaks through two independent
 oracles, and its fault was confirmed to have fired."""
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from glm53_serving.suite.faults import FAULTS
+from tests.e2e.launcher import run_whole
 
 pytestmark = pytest.mark.e2e
 
@@ -22,12 +21,8 @@ SUMMARY = re.compile(
 
 
 def suite(tmp_path, *args, timeout=1500, env=None):
-    p = subprocess.run(
-        [sys.executable, "-m", "glm53_serving.suite", "--out", str(tmp_path / "out"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
+    p = run_whole(
+        [sys.executable, "-m", "glm53_serving.suite", "--out", str(tmp_path / "out"), *args], timeout=timeout, env=env
     )
     last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     m = SUMMARY.match(last)
