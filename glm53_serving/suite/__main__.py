@@ -173,7 +173,7 @@ def idle_states(target: Target, bound_s: float) -> dict[str, dict]:
         states = kv_states(target)
         now = time.monotonic()
         if all(
-            s.get("idle", True) and not (s["running_requests"] or s["queued_requests"] or s["deferred_releases"])
+            s["idle"] and not (s["running_requests"] or s["queued_requests"] or s["deferred_releases"])
             for s in states.values()
         ):
             if all(s["pages"] - s["free_pages"] == s["evictable_pages"] for s in states.values()):
@@ -207,6 +207,12 @@ def flush(target: Target, bound_s: float) -> list[Finding]:
                 Finding("drain", None, f"{name} refused a cache flush for {bound_s:.0f} s: {r.text.strip()[:200]}")
             )
     return found
+
+
+def flushed_drain(target: Target, before: dict[str, dict], bound_s: float) -> list[Finding]:
+    """The drain oracle's findings: `before` (idle_states after the workload; {} to skip), then
+    the flush and the pools once it is done."""
+    return [*flush(target, bound_s), *oracles.drain(before, idle_states(target, bound_s))]
 
 
 # --- one call, one interleaving ----------------------------------------------------------------
@@ -466,8 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 explore(target, profile, shape, tally, a.out, a.reintroduce_incident)
             if not tally.findings:
-                tally.findings += flush(target, profile.bound_s)
-                tally.findings += oracles.drain({}, idle_states(target, profile.bound_s))
+                tally.findings += flushed_drain(target, {}, profile.bound_s)
             confirm_faults(target, tally)
             if topology == "pd" and a.faults and not (a.replay or a.reintroduce_incident):
                 chosen = [f for f in faults.FAULTS if not a.fault or f.name in a.fault]
@@ -519,9 +524,7 @@ def inject_faults(target: Target, shape: Served, profile: Profile, tally: Tally,
         tally.requests += len(r.outcomes)
         tally.faults_injected += 1
         tally.faults_confirmed += r.confirmed
-        before = idle_states(target, profile.bound_s)
-        refused = flush(target, profile.bound_s)
-        found = [*r.findings, *refused, *oracles.drain(before, idle_states(target, profile.bound_s))]
+        found = [*r.findings, *flushed_drain(target, idle_states(target, profile.bound_s), profile.bound_s)]
         tally.findings += [dataclasses.replace(f, detail=f"[{fault.name}] {f.detail}") for f in found]
         faults.report(r)
 

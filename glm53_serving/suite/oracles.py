@@ -145,7 +145,7 @@ def drain(before: dict[str, dict], after: dict[str, dict]) -> list[Finding]:
                     f"{s.get('deferred_releases', 0)} awaiting a deferred KV release",
                 )
             )
-        elif not s.get("idle", True):
+        elif not s["idle"]:
             found.append(Finding("drain", None, f"{worker} holds no request but SGLang does not count it idle"))
         if used != s["evictable_pages"]:
             found.append(

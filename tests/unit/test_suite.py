@@ -2,6 +2,9 @@
 status oracle predicts exactly what admission.check decides, and each oracle fires on what it
 names and on nothing else (glm53_serving/suite; its runs against real servers: tests/e2e/test_suite.py)."""
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 from glm53_serving.admission import Limits, check
 from glm53_serving.errors import ClientError
 from glm53_serving.suite import oracles
+from glm53_serving.suite.__main__ import Target, flush
 from glm53_serving.suite.oracles import Outcome
 from glm53_serving.suite.workload import FIRST_TURN, MARKER_LEN, Call, Served, from_json, marker, to_json, workloads
 
@@ -173,11 +177,6 @@ def test_the_drain_oracle(before, after, fires):
 def test_a_worker_that_refuses_the_deferred_cache_flush_is_a_drain_finding():
     """The drain oracle's flush waits for SGLang's idle state (`?timeout=`); a worker that answers
     400 held something past the bound, and that is said, not read as pages leaked."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from glm53_serving.suite.__main__ import Target, flush
-
     asked = []
 
     class Worker(BaseHTTPRequestHandler):
