@@ -7,9 +7,9 @@ What a GPU scheduler pays on its critical path every step: `ScheduleBatch.prepar
 (SGLang's `alloc_for_decode`, the paged allocator's `alloc_decode`) over a real ReqToTokenPool,
 paged allocator and DSATokenToKVPool (64-token pages, glm53-tiny's rows), timed per call, first
 upstream and then with the plugin's "zero" and "owner" rows applied by SGLang's own
-HookRegistry, as in a server. `--cold` sweeps 32 MiB between steps, as a forward pass does in a
-server: the guard's ~20 small tensor ops then run out of cold caches (py-spy puts the guard's
-share of a real scheduler at 2-3x its hot cost here). µs per step, median and p90. Not a test.
+HookRegistry, as in a server. `--cold` writes twice the last-level cache between steps
+(bench.caches), as a forward pass does in a server: the guard's ~20 small tensor ops then run
+out of cold caches (py-spy puts the guard's share of a real scheduler at 2-3x its hot cost here). µs per step, median and p90. Not a test.
 """
 
 from __future__ import annotations
@@ -26,35 +26,25 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 import torch  # noqa: E402
 
 from glm53_serving import hooks  # noqa: E402
+from glm53_serving.bench import caches, pools  # noqa: E402
+from glm53_serving.models import dsa_tiny  # noqa: E402
 
-PAGE = 64
+PAGE = pools.PAGE
 
 
-def steps(a, cold: torch.Tensor | None) -> list[float]:
+def steps(a, sweep) -> list[float]:
     """µs per prepare_for_decode of one batch of a.rows requests, a.steps steps, on fresh memory."""
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     size = a.rows * (a.prompt + a.steps + 2 * PAGE)
     size -= size % PAGE
-    pool = DSATokenToKVPool(  # glm53-tiny: latent 32 + rope 16, index-K 128 (models/dsa_tiny.py)
-        size=size,
-        page_size=PAGE,
-        kv_lora_rank=32,
-        dtype=torch.float32,
-        qk_rope_head_dim=16,
-        layer_num=a.layers,
-        device="cpu",
-        index_head_dim=128,
-        enable_memory_saver=False,
-        kv_cache_dim=48,
-        index_buf_size=size,
-    )
+    pool = pools.dsa_pool(size, a.layers, dsa_tiny.CONFIG, torch.float32)
     allocator = PagedTokenToKVPoolAllocator(size, PAGE, torch.float32, "cpu", pool, False)
     rows = ReqToTokenPool(a.rows + 1, a.prompt + a.steps + 1, "cpu", False)
     tree = RadixCache(
@@ -72,8 +62,8 @@ def steps(a, cold: torch.Tensor | None) -> list[float]:
     out = []
     for _ in range(a.steps):
         batch.output_ids = torch.full((a.rows,), 7, dtype=torch.int64)
-        if cold is not None:
-            cold.add_(1)
+        if sweep is not None:
+            sweep()
         t0 = time.perf_counter_ns()
         batch.prepare_for_decode()
         out.append((time.perf_counter_ns() - t0) / 1000)
@@ -87,26 +77,26 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=32, help="decode steps per batch (default 32)")
     p.add_argument("--layers", type=int, default=3, help="pool layers (glm53-tiny: 3; GLM-5.3: 78)")
     p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--cold", action="store_true", help="sweep 32 MiB before each step")
+    p.add_argument("--cold", action="store_true", help="sweep the caches before each step")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     from sglang.srt import runtime_context
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ServerArgs
 
-    cold = torch.zeros(8 << 20, dtype=torch.float32) if a.cold else None
+    sweep = caches.sweeper()[0] if a.cold else None
     args = ServerArgs(model_path="dummy", device="cpu", attention_backend="torch_native")
     rows = tuple(h for h in hooks.HOOKS if h.part in ("zero", "owner") and h.process == "any")
     timed = {}
     with runtime_context.use_context(runtime_context.create_context(args, role="scheduler")):
-        timed["upstream"] = [t for _ in range(a.batches) for t in steps(a, cold)]
+        timed["upstream"] = [t for _ in range(a.batches) for t in steps(a, sweep)]
         HookRegistry.reset()
         hooks.register(rows)
         HookRegistry.apply_hooks()
         missing = hooks.verify_applied(rows)
         if missing:
             raise SystemExit(f"hooks not applied: {missing}")
-        timed["guard on"] = [t for _ in range(a.batches) for t in steps(a, cold)]
+        timed["guard on"] = [t for _ in range(a.batches) for t in steps(a, sweep)]
     print(
         f"prepare_for_decode, {a.rows} rows x {a.prompt}+ tokens, DSA pool of {a.layers} layers, page {PAGE}"
         f"{', caches swept before each step' if a.cold else ''}: us per step"

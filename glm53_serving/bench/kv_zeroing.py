@@ -2,6 +2,7 @@
 
     python -m glm53_serving.bench.kv_zeroing [--layers 16] [--slots 65536] [--alloc 4096]
     python -m glm53_serving.bench.kv_zeroing --dsa [--layers 8]     # GLM-5.3's paged DSA pool
+    python -m glm53_serving.bench.kv_zeroing --dsa --cold           # caches swept before every call
 
 Prints (1) zeroing bandwidth of kv_zero's batched fill vs. torch.zero_ on a contiguous buffer of
 the same byte size (the memset limit), (2) allocator operations per second upstream, with
@@ -9,6 +10,11 @@ zeroing, and with zeroing + owner tags (claim on alloc, reset on free), for a pr
 allocation and a decode step (1 slot), and (3) the owner check's cost per batch build (one
 gather + compare over every row position the batch will read). End-to-end tokens/s with the
 guards on vs. off: `python -m glm53_serving.bench.serving kv_guard`.
+
+`--cold` writes twice the last-level cache before every timed call, of every variant and
+baseline alike (bench.caches), and times that one call: memory bandwidth, as in a server, where
+neither a page handed out nor anything near it is cache-resident. Without it the calls run back
+to back and the baseline memset of a few MiB runs out of cache.
 """
 
 from __future__ import annotations
@@ -21,18 +27,18 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import torch  # noqa: E402
 
-from glm53_serving import kv_owner, kv_zero  # noqa: E402
+from glm53_serving import (  # noqa: E402
+    kv_owner,
+    kv_zero,
+    model,  # noqa: E402
+)
+from glm53_serving.bench import caches, pools  # noqa: E402
 
 
-def best_of(fn, repeat: int, inner: int) -> float:
-    """Seconds per call, best of `repeat` timings of `inner` calls."""
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
+def best_of(fn, repeat: int, inner: int, sweep=None) -> float:
+    """Seconds per call, best of `repeat` timings of `inner` calls; with `sweep`, of single
+    calls each after a cache sweep (not timed)."""
+    return interleaved({"fn": fn}, repeat, inner, sweep)["fn"]
 
 
 def main(argv=None) -> None:
@@ -44,10 +50,15 @@ def main(argv=None) -> None:
     p.add_argument("--alloc", type=int, default=4096, help="slots per prefill-sized allocation")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--dsa", action="store_true", help="GLM-5.3's DSA pool (64-token pages, latent + index-K)")
+    p.add_argument("--cold", action="store_true", help="sweep the caches before every timed call")
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)
+    sweep = None
+    if a.cold:
+        sweep, nbytes = caches.sweeper()
+        print(f"cold: {nbytes / 2**20:.0f} MiB written before every timed call")
     if a.dsa:
-        return dsa_pages(a, dtype)
+        return dsa_pages(a, dtype, sweep)
 
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -64,14 +75,14 @@ def main(argv=None) -> None:
     # (1) bandwidth against memset on a buffer of the same size (touched first: no page faults)
     nbytes = slot_bytes * a.alloc
     flat = torch.zeros(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
-    t_memset = best_of(flat.zero_, 5, 5)
+    t_memset = best_of(flat.zero_, 5, 5, sweep)
     cases = {
         "contiguous run (fresh free list)": torch.arange(1, a.alloc + 1, dtype=torch.int64),
         "scattered (after churn, worst case)": torch.randperm(a.slots, dtype=torch.int64)[: a.alloc] + 1,
     }
     print(f"torch.zero_ on {nbytes / 2**20:.1f} MiB: {nbytes / t_memset / 1e9:.2f} GB/s (the memset limit)")
     for label, idx in cases.items():
-        t_zero = best_of(lambda: kv_zero.zero_slots(pool, idx), 5, 5)
+        t_zero = best_of(lambda: kv_zero.zero_slots(pool, idx), 5, 5, sweep)
         print(
             f"zeroing {a.alloc} slots, {label}: {nbytes / t_zero / 1e9:.2f} GB/s -> {t_memset / t_zero:.2f}x of memset"
         )
@@ -122,12 +133,21 @@ def main(argv=None) -> None:
         kv_owner.reset_after_free(None, alloc, got)
 
 
-def interleaved(fns: dict, repeat: int, inner: int) -> dict:
+def interleaved(fns: dict, repeat: int, inner: int, sweep=None) -> dict:
     """Seconds per call of each function, best of `repeat` rounds of `inner` calls, the
-    functions taking turns within each round (a machine whose load drifts shifts them alike)."""
+    functions taking turns within each round (a machine whose load drifts shifts them alike).
+    With `sweep`: best of `repeat * inner` single calls per function, each timed alone right
+    after a cache sweep."""
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeat):
         for name, fn in fns.items():
+            if sweep is not None:
+                for _ in range(inner):
+                    sweep()
+                    t0 = time.perf_counter()
+                    fn()
+                    best[name] = min(best[name], time.perf_counter() - t0)
+                continue
             t0 = time.perf_counter()
             for _ in range(inner):
                 fn()
@@ -135,7 +155,7 @@ def interleaved(fns: dict, repeat: int, inner: int) -> dict:
     return best
 
 
-def dsa_pages(a, dtype) -> None:
+def dsa_pages(a, dtype, sweep=None) -> None:
     """Zeroing whole 64-token pages of SGLang's DSATokenToKVPool with GLM-5.3's row sizes (MLA
     latent 512 + rope 64 per token per layer; index-K 128 fp8 bytes + a 4-byte scale per token)
     against torch.zero_ of the same bytes, page by page (kv_zero._zero_pages) and slot by slot
@@ -143,22 +163,8 @@ def dsa_pages(a, dtype) -> None:
     contiguous buffer of the same byte count ("memset"), and torch.zero_ of exactly the zeroed
     bytes in the pool's own per-layer buffers, one call per buffer and run of adjacent pages
     ("in place": what separate per-layer allocations allow a plain memset)."""
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-
-    page = 64
-    pool = DSATokenToKVPool(
-        size=a.slots,
-        page_size=page,
-        kv_lora_rank=512,
-        dtype=dtype,
-        qk_rope_head_dim=64,
-        layer_num=a.layers,
-        device="cpu",
-        index_head_dim=128,
-        enable_memory_saver=False,
-        kv_cache_dim=576,
-        index_buf_size=a.slots,
-    )
+    page = pools.PAGE
+    pool = pools.dsa_pool(a.slots, a.layers, model.SHAPE, dtype)
     latent = [rows for rows, _ in kv_zero._fill_targets(pool)]
     index = [b for b in pool.index_key_cache.buffer if b.shape[0]]
     for b in (*latent, *index):
@@ -212,6 +218,7 @@ def dsa_pages(a, dtype) -> None:
             },
             15,
             3,
+            sweep,
         )
         print(
             f"{label} ({len(runs)} runs): zero_slots {t['m_all'] / t['all']:.2f}x of memset "

@@ -15,30 +15,20 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool
 
 from glm53_serving import kv_zero
+from glm53_serving.bench import pools
+from glm53_serving.models import dsa_tiny
 from tests.unit import real_hooks
 from tests.unit.machine_steps import CountedSteps, examples
 
 zero_hooks = pytest.fixture(real_hooks.fixture(("zero",)))
 
 SIZE, LAYERS = 64, 3
-DSA_PAGE = 64  # the only page size DSA takes
+DSA_PAGE = pools.PAGE  # the only page size DSA takes
 
 
 def make(page_size, dsa=False):
     if dsa:  # GLM-5.x's pool: MLA latent rows plus the DSA indexer's per-page key and scale rows
-        pool = DSATokenToKVPool(
-            size=4 * DSA_PAGE,
-            page_size=DSA_PAGE,
-            kv_lora_rank=32,
-            dtype=torch.bfloat16,
-            qk_rope_head_dim=16,
-            layer_num=LAYERS,
-            device="cpu",
-            index_head_dim=128,
-            enable_memory_saver=False,
-            kv_cache_dim=48,
-            index_buf_size=4 * DSA_PAGE,
-        )
+        pool = pools.dsa_pool(4 * DSA_PAGE, LAYERS, dsa_tiny.CONFIG, torch.bfloat16)
         return pool, PagedTokenToKVPoolAllocator(4 * DSA_PAGE, DSA_PAGE, torch.bfloat16, "cpu", pool, False)
     pool = MHATokenToKVPool(SIZE, page_size, torch.float32, 2, 4, LAYERS, "cpu", False)
     if page_size == 1:
