@@ -8,8 +8,10 @@ The launcher picks free ports, starts every child in its own process group with 
 run directory, and waits for *real* readiness: each server's /server_info answers and reports
 the glm53_serving guards active, the router's /workers lists every worker, and one real
 generation through the client URL succeeds. It then prints the client URL and a curl line and
-writes ready.json in the run directory. If any child dies it stops the others and exits
-non-zero with that child's log tail; Ctrl-C or SIGTERM stops every child's whole process group.
+writes ready.json in the run directory. A child that dies before ready stops the others and the
+launcher exits non-zero with that child's log tail; one that dies after ready is restarted, at
+most restart_limit times (Supervisor.keep_alive), several at once if several die. Ctrl-C or
+SIGTERM stops every child's whole process group.
 """
 
 from __future__ import annotations
@@ -101,6 +103,18 @@ def _copy_plain(pipe, path: Path) -> None:
 
 
 @dataclass(slots=True)
+class Restart:
+    """A child coming back (Supervisor.keep_alive): dead since `t0`, started at `start_at`."""
+
+    child: Child
+    old_pid: int
+    exit_code: int
+    t0: float
+    start_at: float
+    started: bool = False
+
+
+@dataclass(slots=True)
 class Supervisor:
     run_dir: Path
     children: list[Child] = field(default_factory=list)
@@ -110,6 +124,7 @@ class Supervisor:
     headers: Callable[[], dict[str, str]] = dict
     restarts: dict[str, int] = field(default_factory=dict)
     prefill_delay_s: float = 0.0  # topology.prefill_restart_delay_s()
+    restarting: dict[str, Restart] = field(default_factory=dict)  # by child name, until it serves again
 
     def start(self, child: Child) -> Child:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,53 +154,87 @@ class Supervisor:
                 )
 
     def keep_alive(self, limit: int, timeout_s: float) -> None:
-        """After ready: restart a child that died (same command line, same port), at most `limit`
-        times each; past that, or for a child without a probe, fail as check_alive does. The
-        others keep serving meanwhile: a client of the dead one gets the router's or the
-        gateway's error, never a wait."""
+        """One supervision tick (main() calls it about every second once the deployment is ready):
+        restart a child that died (same command line, same port), at most `limit` times each;
+        past that, or for a child without a probe, fail as check_alive does. Nothing here waits:
+        a restart advances a step a tick (start, probe, the router taking it back), so a second
+        death, or the prefill's restart delay, never holds up noticing or restarting another
+        child. The others keep serving meanwhile: a client of the dead one gets the router's or
+        the gateway's error, never a wait."""
         for c in self.children:
-            if c.proc is None or c.proc.poll() is None:
-                continue
-            done = self.restarts.get(c.name, 0)
-            if done >= limit or c.name not in self.probes:
-                raise LaunchError(
-                    f"{c.name} exited with code {c.proc.returncode} ({c.note}) after {done} restart(s) "
-                    f"(restart_limit {limit}); last lines of {c.log}:\n{c.tail()}"
-                )
-            old_pid, code, t0 = c.proc.pid, c.proc.returncode, time.monotonic()
-            say(f"{c.name} (pid {old_pid}) exited with code {code}: restarting it ({done + 1}/{limit})")
-            _kill_group(c.proc)  # its scheduler and detokenizer must not outlive it
-            if c.name.startswith("decode-"):
-                self.abort_stranded(c.name)
-            if c.name.startswith("prefill-"):
-                # Back on the same bootstrap address only once every decode has seen it gone: a
-                # decode drops a prefill's cached endpoints (and fails what waits on it) after
-                # missed heartbeats; one that never saw it miss keeps sending the new prefill's
-                # requests to the dead one's endpoints, and both wait 300 s (seen in the suite).
-                say(f"{c.name} died: restarting it in {self.prefill_delay_s:g} s, once the decodes have dropped it")
-                time.sleep(self.prefill_delay_s)
-            self.restarts[c.name] = done + 1
-            c.ready, c.note = False, "restarting"
+            pending = self.restarting.get(c.name)
+            if c.proc is None or c.proc.poll() is None or (pending is not None and not pending.started):
+                continue  # alive, or dead and waiting out its restart delay
+            self._died(c, limit)
+        if not self.restarting:
+            return
+        with httpx.Client(headers=self.headers()) as client:  # fresh credentials each tick
+            for r in list(self.restarting.values()):
+                self._advance(r, client, timeout_s)
+
+    def _died(self, c: Child, limit: int) -> None:
+        """`c` exited (after ready, or again while restarting): schedule its restart, or fail."""
+        done = self.restarts.get(c.name, 0)
+        if done >= limit or c.name not in self.probes:
+            raise LaunchError(
+                f"{c.name} exited with code {c.proc.returncode} ({c.note}) after {done} restart(s) "
+                f"(restart_limit {limit}); last lines of {c.log}:\n{c.tail()}"
+            )
+        old_pid, code = c.proc.pid, c.proc.returncode
+        say(f"{c.name} (pid {old_pid}) exited with code {code}: restarting it ({done + 1}/{limit})")
+        _kill_group(c.proc)  # its scheduler and detokenizer must not outlive it
+        if c.name.startswith("decode-"):
+            self.abort_stranded(c.name)
+        delay = 0.0
+        if c.name.startswith("prefill-"):
+            # Back on the same bootstrap address only once every decode has seen it gone: a
+            # decode drops a prefill's cached endpoints (and fails what waits on it) after
+            # missed heartbeats; one that never saw it miss keeps sending the new prefill's
+            # requests to the dead one's endpoints, and both wait 300 s (seen in the suite).
+            delay = self.prefill_delay_s
+            say(f"{c.name} died: restarting it in {delay:g} s, once the decodes have dropped it")
+        self.restarts[c.name] = done + 1
+        c.ready, c.note = False, "restarting"
+        now = time.monotonic()
+        first = self.restarting.get(c.name)  # died again while restarting: its first death's clock
+        self.restarting[c.name] = Restart(c, old_pid, code, first.t0 if first else now, now + delay)
+
+    def _advance(self, r: Restart, client: httpx.Client, timeout_s: float) -> None:
+        """One step of a restart: start it once its delay is over; then probe it; then, for a
+        server, the router until it sends it requests again; then record it."""
+        c, now = r.child, time.monotonic()
+        if not r.started:
+            if now < r.start_at:
+                return
             self.start(c)
-            # Ready when it serves again, and, for a server, when the router sends it requests again.
-            router = next((r for r in self.children if r.name == "router" and r is not c and r.ready), None)
-            pending = {c.name: self.probes[c.name]}
-            wait_ready(self, pending, t0, timeout_s, self.headers)
-            if router is not None and c.name.startswith(("prefill-", "decode-")):
-                wait_ready(self, {router.name: self.probes[router.name]}, t0, timeout_s, self.headers)
-            event = {
-                "name": c.name,
-                "old_pid": old_pid,
-                "exit_code": code,
-                "new_pid": c.proc.pid,
-                "restart": done + 1,
-                "ready_s": round(time.monotonic() - t0, 1),
-                "at": datetime.now(UTC).isoformat(timespec="milliseconds"),
-            }
-            with (self.run_dir / "restarts.jsonl").open("a") as f:
-                f.write(json.dumps(event) + "\n")
-            self._rewrite_ready()
-            say(f"{c.name} restarted (pid {c.proc.pid}), ready after {event['ready_s']} s")
+            r.started = True
+        if now - r.t0 > timeout_s:
+            raise LaunchError(
+                f"{c.name} not ready {timeout_s:.0f} s after it died ({c.note}); last lines of {c.log}:\n{c.tail(20)}"
+            )
+        if not c.ready:
+            if not self.probes[c.name](c, client):
+                return
+            c.ready = True
+            say(f"{c.name} ready after {now - r.t0:.1f} s")
+        router = next((x for x in self.children if x.name == "router" and x is not c and x.ready), None)
+        if router is not None and c.name.startswith(("prefill-", "decode-")):
+            if not self.probes[router.name](router, client):
+                return
+        del self.restarting[c.name]
+        event = {
+            "name": c.name,
+            "old_pid": r.old_pid,
+            "exit_code": r.exit_code,
+            "new_pid": c.proc.pid,
+            "restart": self.restarts[c.name],
+            "ready_s": round(now - r.t0, 1),
+            "at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        }
+        with (self.run_dir / "restarts.jsonl").open("a") as f:
+            f.write(json.dumps(event) + "\n")
+        self._rewrite_ready()
+        say(f"{c.name} restarted (pid {c.proc.pid}), ready after {event['ready_s']} s")
 
     def abort_stranded(self, decode: str) -> None:
         """A decode died: every prefill's requests fail now instead of waiting out SGLang's
@@ -746,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         print_ready(launch(topo, run_dir, sup, args.node))
         while True:  # serve (restarting a child that dies, up to restart_limit) until told to stop
             sup.keep_alive(topo.restart_limit, topo.ready_timeout_s)
-            time.sleep(1.0)
+            time.sleep(0.5 if sup.restarting else 1.0)
     except StopRequested as e:
         say(f"{e}: stopping {len(sup.children)} children")
         return 0

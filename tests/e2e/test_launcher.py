@@ -132,3 +132,36 @@ def test_a_child_that_dies_after_ready_is_restarted_up_to_the_limit_then_everyth
     out = launcher_output(tmp_path)
     assert rc == 1 and "server exited with code -9" in out and "after 1 restart(s) (restart_limit 1)" in out, out
     assert alive(info["all_pids"]) == []
+
+
+def test_prefill_and_decode_dying_together_are_both_restarted_and_serve_again(tmp_path):
+    """PD, both servers SIGKILLed at once: the launcher restarts each (the decode at once, the
+    prefill after its delay) and the deployment answers again, the same tokens as before. One
+    restart at a time would have seen the other dead while waiting and stopped everything."""
+    import os
+
+    run = launch(tmp_path, "--topology", "pd")
+    try:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+        before = httpx.post(f"{run.url}/generate", json=body, headers=run.client_headers(), timeout=60).json()
+        old = {p["name"]: p["pid"] for p in run.info["processes"] if p["name"] in ("prefill-0", "decode-0")}
+        for pid in old.values():
+            os.killpg(pid, signal.SIGKILL)
+        events, deadline = [], time.monotonic() + 300
+        while len(events) < 2 and time.monotonic() < deadline and run.proc.poll() is None:
+            time.sleep(0.5)
+            path = tmp_path / "restarts.jsonl"
+            events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        assert run.proc.poll() is None, launcher_output(tmp_path)
+        assert {e["name"]: e["old_pid"] for e in events} == old, (events, launcher_output(tmp_path))
+        # The decode was started at once, not queued behind the prefill's restart delay (both count
+        # as back only when the router has both again).
+        out = launcher_output(tmp_path)
+        out = out[out.index("exited with code -9") :]
+        assert out.index("started decode-0") < out.index("decode-0 ready after") < out.index("started prefill-0"), out
+        info = json.loads((tmp_path / "ready.json").read_text())
+        assert info["restarts"] == {"prefill-0": 1, "decode-0": 1}
+        after = httpx.post(f"{run.url}/generate", json=body, headers=run.client_headers(), timeout=60)
+        assert after.status_code == 200 and after.json()["output_ids"] == before["output_ids"], after.text
+    finally:
+        assert run.stop(timeout=120) == 0
