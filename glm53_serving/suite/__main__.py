@@ -88,11 +88,12 @@ class Target:
 # --- deployments -------------------------------------------------------------------------------
 
 
-def launch(topology: str, out: Path, reintroduce: bool) -> Target:
-    """The launcher's default topology file, with four tenants of the suite's own, and the KV
-    canary (and, to reintroduce the incident, the guards off and a stale-row read) in every
-    process."""
-    run = out / f"run-{topology}"
+def write_config(run: Path) -> tuple[Path, dict[str, str]]:
+    """The launcher's default topology file in `run`, with a tenants file of the suite's four
+    tenants; (the config's path, each tenant's API key). Paths in a topology file are read
+    relative to the file's own directory: the tenants file is named by its absolute path, so a
+    relative --out (the default, suite-out) names it once, not twice."""
+    run = run.resolve()
     run.mkdir(parents=True, exist_ok=True)
     tenants_file = run / "suite-tenants.toml"
     keys = {t: tenants.add_tenant(tenants_file, t) for t in TENANTS}
@@ -100,6 +101,15 @@ def launch(topology: str, out: Path, reintroduce: bool) -> Target:
     conf["tenants"] = {**conf.get("tenants", {}), "mode": "file", "file": str(tenants_file)}
     cfg = run / "suite.toml"
     cfg.write_text(tomli_w.dumps(conf))
+    return cfg, keys
+
+
+def launch(topology: str, out: Path, reintroduce: bool) -> Target:
+    """The launcher's default topology file, with four tenants of the suite's own, and the KV
+    canary (and, to reintroduce the incident, the guards off and a stale-row read) in every
+    process."""
+    run = (out / f"run-{topology}").resolve()  # every path below goes to other processes
+    cfg, keys = write_config(run)
     canary, fault_log = run / "kv-canary.jsonl", run / "kv-faults.jsonl"
     extra = {"PYTHONPATH": str(HARNESS), "GLM53_TEST_KV_CANARY": str(canary), "GLM53_TEST_KV_LOG": str(fault_log)}
     # A request's answer in a batch equals its solo run bit for bit, so the differential oracle

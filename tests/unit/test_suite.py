@@ -4,6 +4,7 @@ names and on nothing else (glm53_serving/suite; its runs against real servers: t
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,10 +12,13 @@ from hypothesis import strategies as st
 
 from glm53_serving.admission import Limits, check
 from glm53_serving.errors import ClientError
+from glm53_serving.launch import Tenancy
+from glm53_serving.suite import __main__ as suite_main
 from glm53_serving.suite import oracles
-from glm53_serving.suite.__main__ import Target, flush
+from glm53_serving.suite.__main__ import Target, flush, write_config
 from glm53_serving.suite.oracles import Outcome
 from glm53_serving.suite.workload import FIRST_TURN, MARKER_LEN, Call, Served, from_json, marker, to_json, workloads
+from glm53_serving.topology import Topology
 
 TENANTS = ["suite-a", "suite-b", "suite-c"]
 SHAPE = Served(max_prompt=383, max_model_len=384, max_output=None, page=64)
@@ -205,3 +209,15 @@ def test_a_worker_that_refuses_the_deferred_cache_flush_is_a_drain_finding():
             s.shutdown()
     assert f.oracle == "drain" and f.detail.startswith("prefill-0 refused a cache flush for 7 s: Timed out")
     assert sorted(p for _, p in asked) == ["/flush_cache?timeout=7.0"] * 2
+
+
+def test_the_suite_config_names_its_tenants_file_so_the_launcher_finds_it_from_a_relative_out(tmp_path, monkeypatch):
+    """The default --out is relative (suite-out), and a topology file's paths are read relative
+    to the file's own directory: the launcher must find the suite's tenants file, not the out
+    dir's path twice over."""
+    monkeypatch.chdir(tmp_path)
+    cfg, keys = write_config(Path("suite-out") / "run-pd")
+    topo = Topology.load(cfg, "pd")
+    tenancy = Tenancy.prepare(topo, tmp_path / "launch", create=False)
+    assert tenancy.tenants_file == tmp_path / "suite-out" / "run-pd" / "suite-tenants.toml"
+    assert tenancy.tenants_file.is_file() and sorted(keys) == sorted(suite_main.TENANTS)
