@@ -162,9 +162,8 @@ class Supervisor:
         child. The others keep serving meanwhile: a client of the dead one gets the router's or
         the gateway's error, never a wait."""
         for c in self.children:
-            pending = self.restarting.get(c.name)
-            if c.proc is None or c.proc.poll() is None or (pending is not None and not pending.started):
-                continue  # alive, or dead and waiting out its restart delay
+            if c.proc is None or c.proc.poll() is None:
+                continue  # alive, or dead and waiting out its restart delay (no process)
             self._died(c, limit)
         if not self.restarting:
             return
@@ -183,6 +182,9 @@ class Supervisor:
         old_pid, code = c.proc.pid, c.proc.returncode
         say(f"{c.name} (pid {old_pid}) exited with code {code}: restarting it ({done + 1}/{limit})")
         _kill_group(c.proc)  # its scheduler and detokenizer must not outlive it
+        # Reaped: its pid may now be anyone's. Until the restart starts it again, nothing (pids(),
+        # stop()) may signal that pid or list its children as ours.
+        c.proc = None
         if c.name.startswith("decode-"):
             self.abort_stranded(c.name)
         delay = 0.0

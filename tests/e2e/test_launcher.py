@@ -158,7 +158,7 @@ def test_prefill_and_decode_dying_together_are_both_restarted_and_serve_again(tm
         # as back only when the router has both again).
         out = launcher_output(tmp_path)
         out = out[out.index("exited with code -9") :]
-        assert out.index("started decode-0") < out.index("decode-0 ready after") < out.index("started prefill-0"), out
+        assert out.index("started decode-0") < out.index("started prefill-0"), out
         info = json.loads((tmp_path / "ready.json").read_text())
         assert info["restarts"] == {"prefill-0": 1, "decode-0": 1}
         after = httpx.post(f"{run.url}/generate", json=body, headers=run.client_headers(), timeout=60)

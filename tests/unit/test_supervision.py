@@ -66,10 +66,13 @@ def test_a_second_death_is_restarted_while_the_first_child_is_still_coming_back(
 def test_a_prefill_waiting_out_its_restart_delay_holds_up_no_other_restart(sup, tmp_path):
     kids, _ = deploy(sup, tmp_path, ["prefill-0", "router"])
     sup.prefill_delay_s = 30
+    old = kids["prefill-0"].proc.pid
     kill(kids["prefill-0"])
     t0 = time.monotonic()
     sup.keep_alive(3, 120)
-    assert kids["prefill-0"].proc.poll() is not None  # not started yet: the decodes must drop it first
+    # Not started yet (the decodes must drop it first), and its reaped pid, which may be anyone's
+    # by now, is no longer ours to list or signal.
+    assert kids["prefill-0"].proc is None and old not in sup.pids()
     kill(kids["router"])
     sup.keep_alive(3, 120)
     assert time.monotonic() - t0 < 5  # neither tick slept the 30 s
