@@ -104,14 +104,14 @@ def _copy_plain(pipe, path: Path) -> None:
 
 @dataclass(slots=True)
 class Restart:
-    """A child coming back (Supervisor.keep_alive): dead since `t0`, started at `start_at`."""
+    """A child coming back (Supervisor.keep_alive): dead since `t0`, started at `start_at`
+    (until then its `proc` is None)."""
 
     child: Child
     old_pid: int
     exit_code: int
     t0: float
     start_at: float
-    started: bool = False
 
 
 @dataclass(slots=True)
@@ -205,11 +205,10 @@ class Supervisor:
         """One step of a restart: start it once its delay is over; then probe it; then, for a
         server, the router until it sends it requests again; then record it."""
         c, now = r.child, time.monotonic()
-        if not r.started:
+        if c.proc is None:  # not started again yet (_died forgot the dead process)
             if now < r.start_at:
                 return
             self.start(c)
-            r.started = True
         if now - r.t0 > timeout_s:
             raise LaunchError(
                 f"{c.name} not ready {timeout_s:.0f} s after it died ({c.note}); last lines of {c.log}:\n{c.tail(20)}"

@@ -9,7 +9,8 @@ paged allocator and DSATokenToKVPool (64-token pages, glm53-tiny's rows), timed 
 upstream and then with the plugin's "zero" and "owner" rows applied by SGLang's own
 HookRegistry, as in a server. `--cold` writes twice the last-level cache between steps
 (bench.caches), as a forward pass does in a server: the guard's ~20 small tensor ops then run
-out of cold caches (py-spy puts the guard's share of a real scheduler at 2-3x its hot cost here). µs per step, median and p90. Not a test.
+out of cold caches (py-spy puts the guard's share of a real scheduler at 2-3x its hot cost here).
+µs per step, median and p90. Not a test.
 """
 
 from __future__ import annotations

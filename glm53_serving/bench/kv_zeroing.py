@@ -27,11 +27,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import torch  # noqa: E402
 
-from glm53_serving import (  # noqa: E402
-    kv_owner,
-    kv_zero,
-    model,  # noqa: E402
-)
+from glm53_serving import kv_owner, kv_zero, model  # noqa: E402
 from glm53_serving.bench import caches, pools  # noqa: E402
 
 
