@@ -200,9 +200,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode",
         Kind.AFTER,
-        "glm53_serving.kv_zero:zero_after_alloc",
+        "glm53_serving.kv_zero:zero_after_alloc_decode",
         ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
-        "paged pools: each decode step's new slot reads zeros",
+        "paged pools: a page a decode step opens reads zeros whole; a step continuing its "
+        "request's page (63 in 64) costs one host test",
         part="zero",
     ),
     Hook(

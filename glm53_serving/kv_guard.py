@@ -1,7 +1,8 @@
 """The KV guard as a whole: its three parts, and the two places where they meet.
 
 Parts (each switchable on its own with GLM53_KV_GUARD_OFF, all on by default; hooks.KV_PARTS):
-- "zero"    kv_zero.py: every KV slot handed out reads zeros until its request writes it;
+- "zero"    kv_zero.py: every KV slot handed out reads zeros until its request writes it (a
+            decode step's slot continuing its request's own page: zeros or that request's KV);
 - "owner"   kv_owner.py: every page carries its owner, checked before every read;
 - "handoff" kv_handoff.py: PD decode decodes only over the prompt length prefill sent KV for.
 

@@ -215,6 +215,16 @@ class OwnerTags(CountedSteps, RuleBasedStateMachine):
             free(self.alloc, own, how)
         self.s.req_to_token_pool.free(r["req"])
 
+    def _page_decode_opens(self, n):
+        """The free page a decode step at row length n takes (the head of the allocator's free
+        list, both allocators), or None when it continues the row's last page. Read before the
+        step: after it, a caught request's out_cache_loc follows its repaired row."""
+        if n % self.p:
+            return None
+        if not len(self.alloc.free_pages):
+            self.alloc.merge_and_sort_free()
+        return int(self.alloc.free_pages[0])
+
     # -- rules --------------------------------------------------------------------------------
     @precondition(lambda self: self.s.req_to_token_pool.available_size())
     @rule(ns=st.sampled_from(NAMESPACES), n=st.integers(1, 24), share=st.booleans())
@@ -306,11 +316,12 @@ class OwnerTags(CountedSteps, RuleBasedStateMachine):
         slot = other % (SIZE + self.p)  # any slot id, owned by anyone or free
         self.r2t[row, pos] = slot
         page_owner = int(kv_owner.tags_of(self.alloc)[slot // self.p])
+        taken = self._page_decode_opens(n)
         flagged_before = len(self.flagged)
         r["batch"].prepare_for_decode()
         new = r["batch"].out_cache_loc
         r["len"] = n + 1
-        if page_owner == kv_owner.FREE and slot // self.p in (new // self.p).tolist():
+        if page_owner == kv_owner.FREE and slot // self.p == taken:
             page_owner = r["owner"]  # a free page this very decode took: the row's when the check ran
         caught = pos < n and page_owner != r["owner"]
         req = r["req"]
@@ -511,12 +522,35 @@ def test_a_foreign_last_position_is_caught_with_the_slot_the_decode_continues_it
     assert int(batch.out_cache_loc[0]) == int(row_b[6])
     assert torch.count_nonzero(s.pool.k_buffer[0][row_b[4:]]) == 0, "the redirected page must read zeros"
     assert (kv_owner.tags_of(s.alloc)[sa // 4] == kv_owner.owner_of(a)).all(), "a's pages stay a's"
-    # All of a's KV but the slot the allocator handed out: the "zero" part's hook on alloc_decode
-    # zeroes that slot before the owner check runs (a's KV loses that one slot's values; nothing
-    # of a's is read by b). Reported as a finding, not asserted as wanted behaviour.
-    untouched = sa[sa != sa[2]]
-    assert bool((s.pool.k_buffer[0][untouched] == 5.0).all()), "a's KV must be left untouched"
+    # All of a's KV, the slot the allocator handed out too: the "zero" part zeroes only pages a
+    # decode step opens, so it no longer clears that slot of a's page before the check runs.
+    assert bool((s.pool.k_buffer[0][sa] == 5.0).all()), "a's KV must be left untouched"
     assert s.alloc.available_size() == free_before - 4  # only the fresh page
+
+
+def test_a_stale_last_position_into_a_free_page_is_caught_not_claimed(caplog):
+    # a finished and freed its pages, which still hold its KV (zeroing happens when a page is
+    # opened again). b's last position is made to point into a's freed page: alloc_decode
+    # continues that page (last_loc + 1), which is free. The decode step must not claim it for
+    # b (it opens no page: position 6 of 4-token pages), so the check flags both positions and
+    # b never reads a's stale KV; what the forward writes follows b's repaired row.
+    s = Scheduler(4)
+    a, b = _req("a", "tenant-a"), _req("b", "tenant-b", 6)
+    batch = s.extend([b])
+    s.extend([a])
+    sa = s.row(a)
+    s.pool.k_buffer[0][sa] = 5.0
+    s.alloc.free(sa)  # a's release
+    s.req_to_token_pool.free(a)
+    s.r2t[b.kv.req_pool_idx, 5] = int(sa[1])  # the same offset in its page as position 5
+    batch.prepare_for_decode()
+    assert b.to_finish is not None and b.to_finish.err_type == "kv_isolation_violation"
+    assert "positions [5, 6]" in caplog.text
+    assert "owners [0, 0]" in caplog.text, "the step claimed a's freed page for b before the check"
+    row_b = s.row(b, 7)
+    assert not bool((s.pool.k_buffer[0][row_b] == 5.0).any()), "b's row reaches a's stale KV"
+    assert torch.count_nonzero(s.pool.k_buffer[0][row_b[4:]]) == 0, "the redirected page must read zeros"
+    assert int(batch.out_cache_loc[0]) == int(row_b[6]), "the forward would write outside b's row"
 
 
 def test_an_allocation_handing_out_a_slot_of_another_owners_partly_filled_page_is_caught(monkeypatch):

@@ -242,3 +242,39 @@ def test_on_a_gpu_a_decode_steps_opened_pages_become_indices_without_a_host_sync
     # Two requests' decode slots: 128 opens page 2, 70 continues page 1.
     widened = kv_zero._with_opened_pages(torch.tensor([128, 70]), DSA_PAGE)
     assert sorted(set(widened.tolist())) == [70, *range(128, 192)]
+
+
+@pytest.mark.usefixtures("zero_hooks")
+def test_a_decode_step_zeroes_the_pages_it_opens_whole_and_touches_nothing_else(monkeypatch):
+    """SGLang's alloc_decode, hooked: request A continues its page 1 (position 10), request B,
+    its page 2 full, opens a free page. B's new page loses every byte, latent and index-K keys
+    and scales; A's slot is not zeroed again (its page was zeroed whole when A's allocation
+    opened it; what is there now is A's own, marked 3 here), nor is anything else. A step where
+    every row continues its page makes no op on the pool at all (63 in 64 steps)."""
+    pool, alloc = make(DSA_PAGE, dsa=True)
+    held = alloc.alloc(2 * DSA_PAGE)  # pages for A and B; the pool's other 2 pages are free
+    for t, _ in slot_views(pool, torch.arange(0)):
+        t.fill_(1)  # what earlier owners left, everywhere
+    page_a, page_b = sorted((held // DSA_PAGE).unique().tolist())
+    a_next = page_a * DSA_PAGE + 10
+    for t, idx in slot_views(pool, torch.tensor([a_next])):
+        t[idx] = 3
+    seq_lens = torch.tensor([11, DSA_PAGE + 1])  # with the new token
+    last_loc = torch.tensor([a_next - 1, page_b * DSA_PAGE + DSA_PAGE - 1])
+    out = alloc.alloc_decode(seq_lens, seq_lens.clone(), last_loc)
+    assert int(out[0]) == a_next and int(out[1]) % DSA_PAGE == 0
+    opened = torch.arange(int(out[1]), int(out[1]) + DSA_PAGE)
+    for t, idx in slot_views(pool, opened):
+        assert torch.count_nonzero(t[idx]) == 0, "the page B's step opened holds a previous owner's bytes"
+        assert t.numel() - torch.count_nonzero(t) == t[idx].numel(), "zeroed beyond the opened page"
+    for t, idx in slot_views(pool, torch.tensor([a_next])):
+        assert bool((t[idx] == 3).all()), "A's own page was zeroed again"
+
+    calls = []
+    for name in ("index_fill_", "zero_", "_foreach_zero_", "__setitem__"):
+        real = getattr(torch.Tensor, name, None) or getattr(torch, name)
+        target = torch.Tensor if hasattr(torch.Tensor, name) else torch
+        monkeypatch.setattr(target, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    seq_lens = torch.tensor([12, DSA_PAGE + 2])
+    alloc.alloc_decode(seq_lens, seq_lens.clone(), torch.tensor([a_next, int(out[1])]))
+    assert calls == [], f"a step that opens no page made {calls} on the pool"
