@@ -52,8 +52,11 @@ def capacity_of(scheduler) -> Capacity:
     )
 
 
-def capacity_problems(cap: Capacity, deployment: Limits | None, auto_truncate: bool) -> list[str]:
-    """Configurations that could leak or hang; pure, so tests can call it without a server."""
+def capacity_problems(
+    cap: Capacity, deployment: Limits | None, auto_truncate: bool, dp_ranks: int = 1
+) -> list[str]:
+    """Configurations that could leak or hang; pure, so tests can call it without a server.
+    `dp_ranks`: the server's data-parallel schedulers (DP or attention-DP), each with its own pool."""
     problems = []
     if cap.context_length > cap.kv_tokens:
         problems.append(
@@ -73,6 +76,15 @@ def capacity_problems(cap: Capacity, deployment: Limits | None, auto_truncate: b
                 f"a PD {cap.role} server needs the deployment's limits in {env.DEPLOYMENT_LIMITS.name} "
                 "(the launcher sets it from every role) so that prefill and decode cannot disagree"
             )
+    if deployment is None and dp_ranks > 1:
+        # The HTTP process advertises the smallest of its schedulers' limits, but a session turn
+        # is admitted in the scheduler that holds the session (admission.session_turn_hook), which
+        # knows only its own pool: a larger rank would serve more than /v1/models says.
+        problems.append(
+            f"a server with {dp_ranks} data-parallel schedulers needs the deployment's limits in "
+            f"{env.DEPLOYMENT_LIMITS.name} (the launcher sets it), so that each admits session turns by the "
+            "limits the server advertises, not by its own pool's"
+        )
     if deployment is not None and cap.context_length != deployment.context_length:
         # Prefill and decode that disagree on the window accept different requests: a public PD
         # benchmark saw 33 of 1,000 requests hang. One window, the deployment's, or no start.
@@ -101,7 +113,9 @@ def scheduler_verified_info(result: dict, self) -> dict:
             deployment = Limits.from_env()
         except (TypeError, ValueError) as e:
             deployment, problems = None, [*problems, f"{env.DEPLOYMENT_LIMITS.name} is malformed: {e}"]
-        problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate))
+        args = get_server_args()
+        dp_ranks = max(getattr(args, "dp_size", 1) or 1, getattr(args, "attn_dp_size", 1) or 1)
+        problems += capacity_problems(cap, deployment, bool(get_serving().allow_auto_truncate), dp_ranks)
         admission.set_limits(deployment or Limits.of([cap]))  # for session turns (admission.session_turn_hook)
         problems += kv_guard.allocator_problems(self.token_to_kv_pool_allocator)
         if plugin.kv_part_on("handoff"):

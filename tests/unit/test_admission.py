@@ -129,6 +129,12 @@ def test_capacity_problems_name_every_unsafe_configuration():
     assert any("auto-truncate" in p for p in capacity_problems(ok, Limits.of([ok]), auto_truncate=True))
     assert any("needs the deployment's limits" in p for p in capacity_problems(ok, None, auto_truncate=False))
     assert capacity_problems(Capacity("single", 512, 2048), None, auto_truncate=True) == []  # single may truncate
+    # Data-parallel schedulers admit session turns by their own pools: only with the deployment's
+    # limits do they admit by what the server advertises (the smallest of them).
+    single = Capacity("single", 512, 2048)
+    (dp,) = capacity_problems(single, None, auto_truncate=False, dp_ranks=2)
+    assert "2 data-parallel schedulers" in dp and "GLM53_DEPLOYMENT_LIMITS" in dp
+    assert capacity_problems(single, Limits.of([single]), auto_truncate=False, dp_ranks=2) == []
     too_small = Capacity("decode", 512, 400, decode_reserve=64)
     assert any("less than the deployment's limits" in p for p in capacity_problems(too_small, Limits.of([ok]), False))
     # A window that differs either way: a larger one would accept what prefill refuses, and back.
