@@ -16,6 +16,8 @@ judged by oracles that each fail on their own.
   single server), canary (no response carries another tenant's marker or name), status (each
   request gets the status the admission formula predicts, within a bound), drain (afterwards no
   request is held and, after a cache flush, no page is owned and every page is free).
+- client.py: the suite's side of a deployment (Target): a call as a client makes it, the guards'
+  view of the pools, a call's solo run; faults.py: faults injected into PD, each confirmed.
 - __main__.py: launches the topology (or takes --url), runs the profile, saves a failing
   workload as JSON (and in Hypothesis' database) for --replay, and ends with one summary line:
   `suite: requests=N tenants=T interleavings=I faults=F/C confirmed leaks=L oracles_fired=K`.

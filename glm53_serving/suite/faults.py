@@ -30,6 +30,7 @@ import httpx
 import psutil
 
 from glm53_serving.suite import oracles
+from glm53_serving.suite.client import Target, kv_states, send, solo
 from glm53_serving.suite.oracles import Finding, Outcome
 from glm53_serving.suite.workload import Call, Served, marker
 
@@ -137,9 +138,9 @@ def _group(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def run(target, fault: Fault, n: int, served: Served, bound_s: float, send, kv_states, solo_run) -> Result:
-    """Inject one fault into `target` (suite.__main__.Target of a launched PD topology), with calls
-    in flight; `send`, `kv_states` and `solo_run` are the suite's."""
+def run(target: Target, fault: Fault, n: int, served: Served, bound_s: float, alone: dict) -> Result:
+    """Inject one fault into `target` (a launched PD topology), with calls in flight. `alone`:
+    the topology's solo runs (solo_key -> output ids), which the judgement adds to."""
     run_dir = target.run_dir
     calls = calls_for(target.tenants, n, "first")
     rids = [f"suite-fault-{n}-{i}." for i in range(len(calls))]
@@ -158,7 +159,7 @@ def run(target, fault: Fault, n: int, served: Served, bound_s: float, send, kv_s
     evidence, confirmed = "", False
     try:
         if fault.process is not None:
-            _until_in_flight(kv_states, target, bound_s)
+            _until_in_flight(target, bound_s)
             pid = process_pid(run_dir, fault.process)
             if fault.action == "kill":
                 os.killpg(pid, signal.SIGKILL)
@@ -201,7 +202,7 @@ def run(target, fault: Fault, n: int, served: Served, bound_s: float, send, kv_s
         lines = outcomes[victim].body.count("\n") + 1
         confirmed = outcomes[victim].seconds >= 0.8 * READ_DELAY_S * lines
         evidence = f"slow client read {lines} lines in {outcomes[victim].seconds:.1f} s"
-    found = judge(fault, every, outcomes, victim, served, bound_s, solo_run, target.tenants)
+    found = judge(target, fault, every, outcomes, victim, served, bound_s, alone)
     return Result(fault, confirmed, evidence, found, list(zip(every, outcomes)))
 
 
@@ -225,7 +226,7 @@ def _abort_while_held(target, fault: Fault, call: Call, rid: str, bound_s: float
     return (answered if r.status_code == 200 else None), evidence
 
 
-def _until_in_flight(kv_states, target, bound_s: float) -> None:
+def _until_in_flight(target: Target, bound_s: float) -> None:
     """Until decode runs a request of this fault's calls (its prefill is done, it is generating)."""
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
@@ -234,12 +235,13 @@ def _until_in_flight(kv_states, target, bound_s: float) -> None:
         time.sleep(0.05)
 
 
-def judge(fault, calls, outcomes, victim, served, bound_s, solo_run, tenants) -> list[Finding]:
+def judge(target: Target, fault, calls, outcomes, victim, served, bound_s, solo_runs: dict) -> list[Finding]:
     found = [f for f in oracles.status(calls, outcomes, served, bound_s) if "answered after" in f.detail]
-    found += oracles.canary(calls, outcomes, tenants)
+    found += oracles.canary(calls, outcomes, target.tenants)
     for i, (c, o) in enumerate(zip(calls, outcomes)):
         whole = o.status == 200 and o.code is None and o.finish != "abort"
-        alone = solo_run(c)  # after the fault: every tenant is served again
+        # after the fault every tenant is served again; one rid each: one still in flight is refused
+        alone = solo(target, c, f"suite-fault-solo-{len(solo_runs)}.", bound_s, solo_runs)
         if alone is None:
             found.append(Finding("status", i, f"after {fault.name}, the call served alone was not a 200"))
         elif o.finish == "abort" and not oracles.own_prefix(o, alone):

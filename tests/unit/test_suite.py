@@ -15,7 +15,8 @@ from glm53_serving.errors import ClientError
 from glm53_serving.launch import Tenancy
 from glm53_serving.suite import __main__ as suite_main
 from glm53_serving.suite import oracles
-from glm53_serving.suite.__main__ import Target, flush, write_config
+from glm53_serving.suite.__main__ import flush, write_config
+from glm53_serving.suite.client import Target
 from glm53_serving.suite.oracles import Outcome
 from glm53_serving.suite.workload import FIRST_TURN, MARKER_LEN, Call, Served, from_json, marker, to_json, workloads
 from glm53_serving.topology import Topology
