@@ -52,9 +52,7 @@ def capacity_of(scheduler) -> Capacity:
     )
 
 
-def capacity_problems(
-    cap: Capacity, deployment: Limits | None, auto_truncate: bool, dp_ranks: int = 1
-) -> list[str]:
+def capacity_problems(cap: Capacity, deployment: Limits | None, auto_truncate: bool, dp_ranks: int = 1) -> list[str]:
     """Configurations that could leak or hang; pure, so tests can call it without a server.
     `dp_ranks`: the server's data-parallel schedulers (DP or attention-DP), each with its own pool."""
     problems = []
