@@ -188,12 +188,9 @@ def tag_and_check_decode(result, batch, token_per_req, *args, **kwargs):
         # the others continue the row's last page, already the request's: left untagged here,
         # so the check below flags one that is not (a free page too: a stale last position),
         # and 63 in 64 steps cost one host test instead of a claim.
-        opens = torch.remainder(batch.seq_lens_cpu, p) == 0
-        if bool(opens.all()):
-            claim(allocator, out_cache_loc, owners)
-        elif bool(opens.any()):
-            i = torch.nonzero(opens).flatten().to(out_cache_loc.device)
-            claim(allocator, out_cache_loc[i], owners[i])
+        opening = kv_zero.rows_opening_a_page(batch.seq_lens_cpu, p, out_cache_loc, owners)
+        if opening is not None:
+            claim(allocator, *opening)
     else:
         claim(allocator, out_cache_loc, owners if token_per_req == 1 else owners.repeat_interleave(token_per_req))
     new = _Fresh(starts=batch.seq_lens_cpu, slots=out_cache_loc, offsets=range(0, 1 << 62, token_per_req))

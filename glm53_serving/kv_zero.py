@@ -336,14 +336,25 @@ def zero_after_alloc_decode(result, self, seq_lens, seq_lens_cpu, *args, **kwarg
     that slot before anything reads it. So 63 in 64 steps (64-token pages) cost one host test
     here, with no device op and no sync: on a GPU, the per-layer fills they skip are about 2
     kernel launches per layer on the scheduler's critical path."""
-    if result is None:
-        return result
-    opens = torch.remainder(seq_lens_cpu - 1, self.page_size) == 0
-    if not bool(opens.any()):
-        return result
-    opening = result if bool(opens.all()) else result[torch.nonzero(opens).flatten().to(result.device)]
-    zero_slots(self.get_kvcache(), opening)
+    if result is not None:
+        opening = rows_opening_a_page(seq_lens_cpu - 1, self.page_size, result)
+        if opening is not None:
+            zero_slots(self.get_kvcache(), *opening)
     return result
+
+
+def rows_opening_a_page(positions_cpu: torch.Tensor, page: int, *rows: torch.Tensor) -> tuple | None:
+    """`rows` (tensors with one entry per batch row) kept at the rows whose new slot, at host
+    position positions_cpu[i], is a page's first (the paged allocator takes a free page exactly
+    there); None when no row's is (63 in 64 decode steps at 64-token pages). A host test, no
+    sync; rows are selected on the device only when some open a page and others do not."""
+    opens = torch.remainder(positions_cpu, page) == 0
+    if not bool(opens.any()):
+        return None
+    if bool(opens.all()):
+        return rows
+    i = torch.nonzero(opens).flatten().to(rows[0].device)
+    return tuple(t[i] for t in rows)
 
 
 def allocator_problems(allocator) -> list[str]:
