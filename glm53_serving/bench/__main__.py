@@ -3,6 +3,7 @@
     python -m glm53_serving.bench                  # single and PD, concurrency 1, 4, 16, 3 rounds
     python -m glm53_serving.bench --quick          # both topologies and sides, c1 and c4, 1 round
     python -m glm53_serving.bench --out DIR        # default bench-results/<UTC time>
+    python -m glm53_serving.bench --gateway-own-core  # the gateway on a core of its own, as on a GPU host
 
 Per topology, two deployments of the launcher's default config are up at once (with --quick,
 every topology's: its run is mostly startup): "on", our full stack (client -> gateway -> router
@@ -13,6 +14,11 @@ first alternating, so that the machine's drift hits both alike. Prompts mix leng
 with --random-range-ratio) and share prefixes: with the load generator's --vocab-size G every
 prompt counts up mod G from its first token, so prompts with the same first token (G groups)
 share the shorter one's length. Both sides of a round get the same prompts; rounds get new ones.
+
+`--gateway-own-core` runs the gateways on the last core and everything else (servers, routers,
+load generator, both sides) on the others: a GPU host's layout, where the gateway's CPU is not
+taken from the servers'. Without it, on 2 cores, the gateway's CPU per request slows the servers
+of the "on" side, and queueing amplifies that into TTFT (docs/performance.md).
 
 Per point: output tok/s, requests/s, TTFT and ITL p50/p99, each side's CPU per output token (the
 processes' own accounting: servers with their schedulers, router, gateway; the "off" side's idle
@@ -26,6 +32,7 @@ plot.png into --out. Not a test: numbers, for docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -37,7 +44,7 @@ from types import SimpleNamespace
 import psutil
 
 from glm53_serving.bench import report
-from glm53_serving.bench.serving import LaunchFailed, bench, cpu_seconds, credential, process, start, stop
+from glm53_serving.bench.serving import LaunchFailed, bench, cpu_seconds, credential, pin, process, start, stop
 from glm53_serving.env import SERVING_DISABLE
 from glm53_serving.topology import Topology, default_config_path
 
@@ -164,12 +171,27 @@ def run_topology(tmp: Path, a, topology: str, up: dict) -> list[dict]:
     return points
 
 
+def cores(a) -> tuple[set[int], int | None]:
+    """(the cores the servers, routers and load generator run on; the gateways' own, or None)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if not a.gateway_own_core:
+        return set(mine), None
+    if len(mine) < 2:
+        raise SystemExit("--gateway-own-core needs 2 or more cores")
+    return set(mine[:-1]), mine[-1]
+
+
 def run(tmp: Path, a) -> list[dict]:
     """--quick: every deployment up at once, as its run is mostly startup; otherwise one topology
     at a time, so that the other's idle processes share no core with the measured ones."""
     points = []
+    serving_cores, gateway_core = cores(a)
+    os.sched_setaffinity(0, serving_cores)  # inherited by the launchers' children and the load generator
     for group in [a.topologies] if a.quick else [[t] for t in a.topologies]:
         up = deploy(tmp, a, group)
+        if gateway_core is not None:
+            for _, info in up.values():
+                pin(process(info, "gateway")["pid"], {gateway_core})
         try:
             for topology in group:
                 points += run_topology(tmp, a, topology, up)
@@ -195,6 +217,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--range-ratio", type=float, default=0.25, help="shortest length over longest (default 0.25)")
     p.add_argument("--prefix-groups", type=int, default=16, help="prompts share prefixes in this many groups")
     p.add_argument("--config", type=Path, default=None, help="topology file (TOML); default: the launcher's")
+    p.add_argument(
+        "--gateway-own-core",
+        action="store_true",
+        help="the gateways on the last core, everything else on the others (a GPU host's layout)",
+    )
     a = p.parse_args(argv)
     quick = {"concurrency": [1, 4], "rounds": 1, "num_prompts": 8, "input_len": 128, "output_len": 16}
     full = {"concurrency": [1, 4, 16], "rounds": 3, "num_prompts": 32, "input_len": 256, "output_len": 32}
@@ -223,6 +250,7 @@ def main(argv=None) -> None:
         "command": " ".join(["python -m glm53_serving.bench", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)},
+        "gateway_own_core": a.gateway_own_core,
         "model": a.model,
         "config": str(a.config),
         "load": {

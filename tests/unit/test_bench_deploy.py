@@ -56,3 +56,35 @@ def test_a_second_failure_ends_the_run_and_stops_what_came_up(tmp_path, monkeypa
     with pytest.raises(LaunchFailed, match="pd-on-retry1"):
         bench_main.deploy(tmp_path, types.SimpleNamespace(config="cpu.toml"), ["single", "pd"])
     assert sorted(stopped) == ["pd-off", "single-off", "single-on"]
+
+
+@pytest.mark.parametrize("own_core", [True, False])
+def test_with_gateway_own_core_every_gateway_and_only_they_run_on_the_last_core(tmp_path, monkeypatch, own_core):
+    """A GPU host's layout: the gateways' CPU is not taken from the servers' (the rest of the
+    deployment, started after the bench pins itself, inherits the other cores)."""
+    pinned, mine = {}, []
+    monkeypatch.setattr(bench_main.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(bench_main.os, "sched_setaffinity", lambda pid, cores: mine.append(set(cores)))
+    up = {
+        (t, side): (None, {"processes": [{"name": "gateway", "pid": f"{t}-{side}"}]})
+        for t in ("single", "pd")
+        for side in ("on", "off")
+    }
+    monkeypatch.setattr(bench_main, "deploy", lambda tmp, a, group: {k: up[k] for k in up if k[0] in group})
+    monkeypatch.setattr(bench_main, "pin", lambda pid, cores: pinned.__setitem__(pid, set(cores)))
+    monkeypatch.setattr(bench_main, "process", lambda info, name: info["processes"][0])
+    monkeypatch.setattr(bench_main, "run_topology", lambda tmp, a, t, up: [t])
+    monkeypatch.setattr(bench_main, "stop_all", lambda up: None)
+    a = types.SimpleNamespace(quick=False, topologies=["single", "pd"], gateway_own_core=own_core)
+    assert bench_main.run(tmp_path, a) == ["single", "pd"]
+    if own_core:
+        assert mine == [{0, 1}]
+        assert pinned == {f"{t}-{side}": {2} for t in ("single", "pd") for side in ("on", "off")}
+    else:
+        assert mine == [{0, 1, 2}] and pinned == {}
+
+
+def test_gateway_own_core_on_one_core_is_refused(monkeypatch):
+    monkeypatch.setattr(bench_main.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(SystemExit, match="2 or more cores"):
+        bench_main.cores(types.SimpleNamespace(gateway_own_core=True))
