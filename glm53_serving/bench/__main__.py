@@ -44,7 +44,17 @@ from types import SimpleNamespace
 import psutil
 
 from glm53_serving.bench import report
-from glm53_serving.bench.serving import LaunchFailed, bench, cpu_seconds, credential, pin, process, start, stop
+from glm53_serving.bench.serving import (
+    LaunchFailed,
+    bench,
+    cpu_seconds,
+    credential,
+    own_core_split,
+    pin,
+    process,
+    start,
+    stop,
+)
 from glm53_serving.env import SERVING_DISABLE
 from glm53_serving.topology import Topology, default_config_path
 
@@ -171,22 +181,14 @@ def run_topology(tmp: Path, a, topology: str, up: dict) -> list[dict]:
     return points
 
 
-def cores(a) -> tuple[set[int], int | None]:
-    """(the cores the servers, routers and load generator run on; the gateways' own, or None)."""
-    mine = sorted(os.sched_getaffinity(0))
-    if not a.gateway_own_core:
-        return set(mine), None
-    if len(mine) < 2:
-        raise SystemExit("--gateway-own-core needs 2 or more cores")
-    return set(mine[:-1]), mine[-1]
-
-
 def run(tmp: Path, a) -> list[dict]:
     """--quick: every deployment up at once, as its run is mostly startup; otherwise one topology
     at a time, so that the other's idle processes share no core with the measured ones."""
     points = []
-    serving_cores, gateway_core = cores(a)
-    os.sched_setaffinity(0, serving_cores)  # inherited by the launchers' children and the load generator
+    gateway_core = None
+    if a.gateway_own_core:
+        serving_cores, gateway_core = own_core_split()
+        os.sched_setaffinity(0, serving_cores)  # inherited by the launchers' children and the load generator
     for group in [a.topologies] if a.quick else [[t] for t in a.topologies]:
         up = deploy(tmp, a, group)
         if gateway_core is not None:

@@ -251,8 +251,7 @@ def main(argv=None) -> None:
     )
     if a.what == "gateway":
         if a.gateway_own_core:  # inherited by the launcher's children and the load generator
-            *serving_cores, gateway_core = sorted(os.sched_getaffinity(0))
-            assert serving_cores, "--gateway-own-core needs 2 or more cores"
+            serving_cores, gateway_core = own_core_split()
             os.sched_setaffinity(0, serving_cores)
         proc, info = start(tmp / a.topology, "--config", str(a.config), "--topology", a.topology)
         if a.gateway_own_core:
@@ -382,6 +381,15 @@ def upstream_timing(gateway_url: str) -> dict[str, tuple[float, int]]:
         samples = {s.name: s.value for s in families[f"glm53_gateway_{name}_seconds"].samples}
         out[name] = (samples[f"glm53_gateway_{name}_seconds_sum"], int(samples[f"glm53_gateway_{name}_seconds_count"]))
     return out
+
+
+def own_core_split() -> tuple[set[int], int]:
+    """--gateway-own-core: (the cores for everything but the gateway; the gateway's, the last of
+    this process's), or SystemExit where there is only one."""
+    *serving, gateway = sorted(os.sched_getaffinity(0))
+    if not serving:
+        raise SystemExit("--gateway-own-core needs 2 or more cores")
+    return set(serving), gateway
 
 
 def pin(pid: int, cores: set[int]) -> None:

@@ -81,10 +81,10 @@ def test_with_gateway_own_core_every_gateway_and_only_they_run_on_the_last_core(
         assert mine == [{0, 1}]
         assert pinned == {f"{t}-{side}": {2} for t in ("single", "pd") for side in ("on", "off")}
     else:
-        assert mine == [{0, 1, 2}] and pinned == {}
+        assert mine == [] and pinned == {}  # nothing pinned: the bench keeps its affinity
 
 
 def test_gateway_own_core_on_one_core_is_refused(monkeypatch):
     monkeypatch.setattr(bench_main.os, "sched_getaffinity", lambda pid: {0})
     with pytest.raises(SystemExit, match="2 or more cores"):
-        bench_main.cores(types.SimpleNamespace(gateway_own_core=True))
+        bench_main.own_core_split()
