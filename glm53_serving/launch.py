@@ -648,11 +648,20 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor, node: str | None = No
             )
             waited |= {c.name for c in earlier}
         for c in local:
-            sup.start(c)
+            if c.proc is None:
+                sup.start(c)
+        if p.gateway.name in mine and p.gateway.proc is None:
+            # The gateway needs nothing of the upstream to start (it connects per request, and its
+            # /health passes only once the upstream's does), so it starts beside the first stage:
+            # its imports (SGLang's request models, ~7 s of CPU) overlap the servers' start-up
+            # instead of following it. Its stage still waits for it, after the router.
+            sup.start(p.gateway)
         wait_ready(
             sup, {c.name: probes[c.name] for c in local}, t0, topo.ready_timeout_s, tenancy.admin_headers, p.all()
         )
         waited |= {c.name for c in local}
+    order = [c.name for c in p.all()]
+    sup.children.sort(key=lambda c: order.index(c.name))  # stop(): front door first, servers last
     client_url = p.gateway.url
     if gateway_here:
         if not tenancy.on or tenancy.demo_keys:  # through the front door, as a client would

@@ -4,6 +4,10 @@
     python -m glm53_serving.bench.kv_zeroing --dsa [--layers 8]     # GLM-5.3's paged DSA pool
     python -m glm53_serving.bench.kv_zeroing --dsa --cold           # caches swept before every call
 
+With `--dsa` the pool has GLM-5.3's 78 layers and 16,384 slots unless `--layers`/`--slots` say
+otherwise: the per-layer host ops are paid once per layer buffer whatever the layer count, so
+a pool of fewer layers measures them against less memory than the model zeroes.
+
 Prints (1) zeroing bandwidth of kv_zero's batched fill vs. torch.zero_ on a contiguous buffer of
 the same byte size (the memset limit), (2) allocator operations per second upstream, with
 zeroing, and with zeroing + owner tags (claim on alloc, reset on free), for a prefill-sized
@@ -39,15 +43,19 @@ def best_of(fn, repeat: int, inner: int, sweep=None) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--layers", type=int, help="default 16; with --dsa GLM-5.3's 78")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--slots", type=int, default=65536)
+    p.add_argument("--slots", type=int, help="default 65536; with --dsa 16384 (the pool fits in memory)")
     p.add_argument("--alloc", type=int, default=4096, help="slots per prefill-sized allocation")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--dsa", action="store_true", help="GLM-5.3's DSA pool (64-token pages, latent + index-K)")
     p.add_argument("--cold", action="store_true", help="sweep the caches before every timed call")
     a = p.parse_args(argv)
+    if a.layers is None:
+        a.layers = model.SHAPE["num_hidden_layers"] if a.dsa else 16
+    if a.slots is None:
+        a.slots = 16384 if a.dsa else 65536
     dtype = getattr(torch, a.dtype)
     sweep = None
     if a.cold:

@@ -116,3 +116,46 @@ def test_a_restart_that_is_not_ready_within_the_timeout_of_its_death_stops_the_d
     sup.restarting["gateway"].t0 -= 61  # it died 61 s ago
     with pytest.raises(LaunchError, match="gateway not ready 60 s after it died"):
         sup.keep_alive(3, 60)
+
+
+def test_the_gateway_starts_beside_the_servers_and_the_router_after_them(tmp_path, monkeypatch):
+    """launch() on the default PD topology, each child a sleeping process and each probe a
+    function: the gateway is started before any server is ready (its start-up overlaps theirs),
+    the router only once both are; the gateway is still waited for last, and stop() still finds
+    the front door first."""
+    from glm53_serving import launch as launcher
+    from glm53_serving.topology import Topology, default_config_path
+
+    events = []
+    real_start = Supervisor.start
+
+    def start(self, child):
+        events.append(("start", child.name))
+        child.argv = SLEEPER
+        return real_start(self, child)
+
+    def wait_ready(sup, pending, *args, **kwargs):
+        for name in pending:
+            events.append(("ready", name))
+            next(c for c in sup.children if c.name == name).ready = True
+
+    monkeypatch.setattr(Supervisor, "start", start)
+    monkeypatch.setattr(launcher, "wait_ready", wait_ready)
+    monkeypatch.setattr(launcher, "resolve_model_path", lambda topo: "/models/none")
+    monkeypatch.setattr(launcher, "smoke_generate", lambda url, headers: [1])
+    sup = Supervisor(tmp_path)
+    try:
+        launcher.launch(Topology.load(default_config_path(), "pd"), tmp_path, sup)
+        assert events == [
+            ("start", "prefill-0"),
+            ("start", "decode-0"),
+            ("start", "gateway"),
+            ("ready", "prefill-0"),
+            ("ready", "decode-0"),
+            ("start", "router"),
+            ("ready", "router"),
+            ("ready", "gateway"),
+        ], events
+        assert [c.name for c in sup.children] == ["prefill-0", "decode-0", "router", "gateway"]
+    finally:
+        sup.stop(grace_s=2)
