@@ -637,6 +637,7 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor, node: str | None = No
     sup.probes, sup.headers = probes, tenancy.admin_headers
     sup.prefill_delay_s = topo.prefill_restart_delay_s() if topo.topology == "pd" else 0.0
     waited: set[str] = set()
+    order = [c.name for c in p.all()]
     for stage in p.stages():
         local = [c for c in stage if c.name in mine]
         if not local:
@@ -656,12 +657,13 @@ def launch(topo: Topology, run_dir: Path, sup: Supervisor, node: str | None = No
             # its imports (SGLang's request models, ~7 s of CPU) overlap the servers' start-up
             # instead of following it. Its stage still waits for it, after the router.
             sup.start(p.gateway)
+        # In plan order at every point, so that stop() (a failed start included) goes front door
+        # first, servers last, whatever order they were started in.
+        sup.children.sort(key=lambda c: order.index(c.name))
         wait_ready(
             sup, {c.name: probes[c.name] for c in local}, t0, topo.ready_timeout_s, tenancy.admin_headers, p.all()
         )
         waited |= {c.name for c in local}
-    order = [c.name for c in p.all()]
-    sup.children.sort(key=lambda c: order.index(c.name))  # stop(): front door first, servers last
     client_url = p.gateway.url
     if gateway_here:
         if not tenancy.on or tenancy.demo_keys:  # through the front door, as a client would
